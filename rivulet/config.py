@@ -1,0 +1,66 @@
+"""Typed configuration, built once and passed down explicitly.
+
+This module is pure Python (no torch import) so that ``rivulet.core`` can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class RivuletError(ValueError):
+    """A user-facing error: bad input, missing files, unsupported model.
+
+    The CLI prints its message on one line; the server maps it to HTTP 400.
+    """
+
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "dummy"]
+
+
+@dataclass
+class ModelConfig:
+    """What to load and how: path or name, weights format, numeric type, context length."""
+
+    model: str = "default"
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    dtype: DType = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    load_format: LoadFormat = "auto"
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how much memory it may take."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a fraction of free memory
+    memory_utilization: float = 0.9  # fraction of device memory (free memory on CPU)
+    num_blocks: int | None = None  # override, mostly for tests
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    """The per-step budget: how many tokens and requests one flat batch may hold."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048  # filled from the model by EngineConfig.finalize
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

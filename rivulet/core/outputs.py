@@ -1,0 +1,75 @@
+"""Plain-data messages the scheduler hands out: to the model runner and to the engine.
+
+Only ints, strs, lists, dicts and sets (plus the opaque ``sampling_params``), so they
+pickle or msgpack cheaply across process boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the runner's batch this step (fresh, or resumed after preemption).
+
+    ``token_ids`` are all tokens known so far (prompt then outputs);
+    ``num_computed_tokens`` of them already have KV in ``block_ids`` (prefix-cache hits).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: Any = None
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in the runner's batch: blocks appended this step, progress so far."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: one flat batch.
+
+    ``num_scheduled_tokens`` maps request id -> tokens to compute this step; its
+    insertion order is the batch order. The runner computes, for each request, the
+    tokens ``[num_computed_tokens, num_computed_tokens + n)`` and samples one token
+    for each request whose known tokens are then all computed.
+    ``finished_request_ids`` (finished or aborted since the previous step) and
+    ``preempted_request_ids`` must be dropped from the runner's persistent batch first.
+    """
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: new tokens and, at the end, why it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,126 @@
+"""A request as the scheduler sees it: token ids, limits, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Iterable
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; every value after PREEMPTED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the four FINISHED_* states."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` for a finished status, None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    """One sequence to generate: a prompt, its outputs so far, and its limits.
+
+    ``eos_token_ids`` is empty when the user asked to ignore EOS.
+    ``priority``: lower values are served first; ties go to the earlier ``arrival_time``.
+    ``sampling_params`` is opaque here; it is only carried to the model runner.
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (or being written
+    by the step in flight); it drops to 0 when the request is preempted.
+    ``block_hashes`` is filled by the KV cache manager: the chained hash of each
+    full block of ``all_token_ids`` (tokens never change, so neither do hashes).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        eos_token_ids: Iterable[int] = (),
+        stop_token_ids: Iterable[int] = (),
+        min_tokens: int = 0,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        sampling_params: Any = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.min_tokens = min_tokens
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.sampling_params = sampling_params
+
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = -1  # prefix-cache hit tokens; -1 until first scheduled
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self._seq = next(_arrival_counter)  # breaks ties between equal arrival times
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Service order: priority (lower first), then arrival, then creation order."""
+        return (self.priority, self.arrival_time, self._seq)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs. Read-only view: do not mutate the list."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Record one sampled token (O(1))."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens}, priority={self.priority})"
+        )

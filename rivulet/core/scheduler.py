@@ -1,0 +1,297 @@
+"""The scheduler: picks, each step, one flat batch of prefill chunks and decode tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rivulet.config import RivuletError, SchedulerConfig
+from rivulet.core.kv_cache_manager import KVCacheManager
+from rivulet.core.outputs import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
+from rivulet.core.request import Request, RequestStatus
+from rivulet.core.request_queue import RequestQueue
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Token-budget scheduler with chunked prefill, priorities and preemption by recompute.
+
+    Use: ``add_request`` any time; each step ``out = schedule()``, run the model on
+    ``out``, then ``update_from_output(out, sampled)`` -- call it even when ``out`` is
+    empty, since it also delivers requests the scheduler finished with an error.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        cfg = scheduler_config
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(cfg, name) < 1:
+                raise RivuletError(f"SchedulerConfig.{name} must be >= 1, got {getattr(cfg, name)}")
+        self.config = cfg
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = RequestQueue()  # WAITING and PREEMPTED
+        self.running = RequestQueue()  # RUNNING: holds blocks
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()  # since the last schedule()
+        self._error_outputs: list[EngineCoreOutput] = []  # not yet returned
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises RivuletError if it is malformed or too long."""
+        rid, max_len = request.request_id, self.config.max_model_len
+        if rid in self.requests:
+            raise RivuletError(f"request id {rid!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise RivuletError(f"request {rid!r}: the prompt is empty")
+        if request.max_tokens < 1:
+            raise RivuletError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        if request.num_prompt_tokens + request.max_tokens > max_len:
+            raise RivuletError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {request.num_prompt_tokens + request.max_tokens} "
+                f"exceeds max_model_len ({max_len})"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests in any state; unknown or already finished ids are ignored."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (e.g. a stop string matched); frees their blocks."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            self._release(req, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            len(self.running), len(self.waiting), kv.usage, kv.stats.queries, kv.stats.hits,
+            self.num_preemptions,
+        )
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next flat batch: running requests first, then admissions."""
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_request_ids:  # memory is short: admit nobody this step
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request, in service order, a decode token or a prefill chunk.
+
+        Prefill chunks leave one token of budget for every decode behind them, so a
+        long prompt never holds back the decodes of other requests.
+        """
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                decodes_left -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - decodes_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
+            num_preempted = len(out.preempted_request_ids)
+            new_block_ids = self._allocate_or_preempt(req, num_new, i, out)
+            if new_block_ids is None:
+                break  # req itself left the queue, and it was the last one
+            if len(out.preempted_request_ids) != num_preempted:  # victims left from behind
+                decodes_left = sum(
+                    1 for r in self.running[i + 1 :] if r.num_tokens - r.num_computed_tokens == 1
+                )
+            out.num_scheduled_tokens[req.request_id] = num_new
+            out.cached_requests.append(
+                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
+            )
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, index: int, out: SchedulerOutput
+    ) -> list[int] | None:
+        """Allocate for running ``req``, preempting from the back of the queue as needed.
+
+        Returns None if ``req`` itself had to go (preempted, or failed as too big).
+        """
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop_back()
+            if victim is req and index == 0:  # alone with the whole cache and still short
+                self._fail_too_big(req, req.num_computed_tokens + num_new)
+                return None
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in service order while budget, seq cap and blocks allow."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
+                self.waiting.pop_front()
+                self._fail_too_big(req, req.num_tokens)
+                continue
+            hit_ids, num_hit = kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if kv.allocate_slots(req, num_new, hit_ids) is None:
+                break  # the head waits for memory; nobody overtakes it
+            self.waiting.pop_front()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.running.add(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            out.new_requests.append(
+                NewRequestData(
+                    req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                    kv.get_block_ids(req.request_id), num_hit, req.sampling_params,
+                )
+            )
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Drop ``req``'s KV (it is recomputed later) and put it back in the waiting queue."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(req)
+        out.preempted_request_ids.add(req.request_id)
+
+    def _fail_too_big(self, req: Request, num_tokens: int) -> None:
+        """Finish a request (already out of its queue) that can never fit in the cache."""
+        kv = self.kv_cache_manager
+        self._fail(
+            req,
+            f"request {req.request_id!r} needs {kv.num_blocks_for(num_tokens)} KV cache blocks "
+            f"({num_tokens} tokens at block size {kv.block_size}) but the whole cache has "
+            f"only {kv.num_blocks} blocks",
+        )
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Finish ``req`` with FINISHED_ERROR; its output goes out with the next update."""
+        req.error = error
+        self._release(req, RequestStatus.FINISHED_ERROR)
+        self._error_outputs.append(
+            EngineCoreOutput(
+                req.request_id, [], "error", num_cached_tokens=max(req.num_cached_tokens, 0),
+                error=req.error,
+            )
+        )
+
+    def _release(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and free blocks; the caller has taken ``req`` out of its queue."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)
+
+    # ---- results of a step ----
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[EngineCoreOutput]:
+        """Advance progress, append sampled tokens, apply stop conditions, free finished.
+
+        ``sampled_token_ids`` needs entries only for requests whose known tokens are all
+        computed after this step; tokens given for a request mid-prefill are ignored.
+        """
+        outputs: list[EngineCoreOutput] = []
+        finished_any = False
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or finished since the step was scheduled
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill: nothing sampled
+            new_ids = sampled_token_ids.get(rid)
+            if not new_ids:  # a runner bug; finishing beats waiting forever
+                self._fail(req, f"request {rid!r}: the model runner returned no token")
+                finished_any = True
+                continue
+            for k, token_id in enumerate(new_ids):
+                req.append_output_token_id(token_id)
+                if self._check_stop(req):
+                    new_ids = new_ids[: k + 1]
+                    break
+            outputs.append(
+                EngineCoreOutput(
+                    rid, list(new_ids), req.status.finish_reason, req.stop_reason,
+                    max(req.num_cached_tokens, 0),
+                )
+            )
+            if req.status.is_finished:
+                finished_any = True
+                self._release(req, req.status)
+        if finished_any:
+            self.running.retain(lambda r: r.status == RequestStatus.RUNNING)
+        outputs.extend(self._error_outputs)
+        self._error_outputs = []
+        return outputs
+
+    def _check_stop(self, req: Request) -> bool:
+        """Set a finished status if the last token ends ``req``; EOS/stop ids wait for min_tokens."""
+        token_id = req.output_token_ids[-1]
+        if req.num_output_tokens >= req.min_tokens:
+            if token_id in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in req.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token_id
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,44 @@
+"""Mixture-of-experts: top-k routing and the expert computation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rivulet.kernels.activation import silu_and_mul_ref
+
+
+def topk_routing_ref(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), keep the top k; optionally rescale them to sum to 1.
+
+    Returns (weights [T, k] float32, expert ids [T, k] int64).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k weight_k * expert_{id_k}(x) with expert(x) = w2 @ silu_and_mul(w13 @ x).
+
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Experts with no tokens are
+    skipped; per expert, its tokens are gathered, computed as one GEMM and scattered back.
+    """
+    out = torch.zeros_like(x)
+    weights = topk_weights.to(x.dtype)
+    for e in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == e)
+        h = silu_and_mul_ref(F.linear(x[token_idx], w13[e]))
+        y = F.linear(h, w2[e]) * weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, y)
+    return out

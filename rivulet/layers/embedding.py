@@ -1,0 +1,51 @@
+"""Token embedding and LM head with the vocabulary split over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rivulet.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from rivulet.layers.linear import default_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds rows [start, end) of the (padded) vocabulary; lookups outside the range
+    give zeros and the all-reduce assembles the full embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        n = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        default_weight_loader(param.data[:n], loaded.narrow(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = torch.where(outside, 0, input_ids - self.vocab_start)
+        y = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
+        return tensor_parallel_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to vocabulary logits; may share its weight with the embedding."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [T, vocab] in float32."""
+        logits = F.linear(hidden, self.weight)
+        logits = tensor_parallel_all_gather(logits)
+        return logits[:, : self.num_embeddings].float()

@@ -1,0 +1,138 @@
+"""Linear layers that know how they are split over tensor-parallel ranks.
+
+Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies this
+rank's slice of a full checkpoint tensor into it, so model code never slices by hand.
+With one rank every split is the whole tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rivulet.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_gather, tensor_parallel_all_reduce
+
+
+def _divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by the tensor-parallel size {b}")
+    return a // b
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank (e.g. a MoE router)."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W split by output rows; each rank produces its slice of y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.gather_output = gather_output
+        super().__init__(input_size, _divide(output_size, self.tp_size), bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tensor_parallel_all_gather(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one GEMM (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:  # an already fused checkpoint tensor
+            parts = loaded.split(self.output_sizes, dim=0)
+            for i, part in enumerate(parts):
+                self.weight_loader(param, part, i)
+            return
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections. Query heads are split over ranks; key/value heads too, or
+    replicated when there are more ranks than key/value heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp)
+        if tp >= num_kv_heads:
+            _divide(tp, num_kv_heads)
+            self.num_kv_heads, self.kv_replicas = 1, tp // num_kv_heads
+        else:
+            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp), 1
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear loads q, k and v separately")
+        q, kv = self.q_size, self.kv_size
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.reduce_results = reduce_results
+        super().__init__(_divide(input_size, self.tp_size), output_size, bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: whole, added once after the reduction
+            default_weight_loader(param, loaded)
+            return
+        n = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tensor_parallel_all_reduce(y)
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,391 @@
+"""The batched sampler: one flat batch of rows, each with its own sampling params.
+
+Order of operations on the logits of one step (vLLM v1 order):
+
+1. logit bias (additive),
+2. min-tokens mask (eos / stop token ids -> -inf while the output is too short),
+3. penalties: repetition (HF/vLLM), then frequency and presence (OpenAI),
+4. greedy rows take the argmax here,
+5. temperature,
+6. min-p, 7. top-k, 8. top-p,
+9. sample with an exponential race drawn from each row's own generator.
+
+Logprobs are always those of the model's raw distribution: ``log_softmax`` of the
+unprocessed logits in float32.
+
+Support of the filters (exact, ties at the boundary are kept):
+
+* min-p keeps tokens with ``prob >= min_p * max_prob``;
+* top-k keeps tokens whose logit is ``>=`` the k-th largest logit, so tokens tied
+  with the k-th one are all kept (the kept set can exceed k);
+* top-p keeps the smallest prefix of the tokens sorted by probability whose
+  cumulative probability (float32 ``cumsum``) reaches ``top_p`` (at least one
+  token), plus any token whose probability equals that of the prefix's last
+  token.  top-p works on the distribution renormalised after min-p and top-k.
+
+A seeded row draws its randomness only from its own ``torch.Generator``, with a
+draw whose size is the vocabulary, so its tokens do not depend on which other
+rows share the batch or where it sits.  Unseeded rows draw from torch's default
+generator for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rivulet.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling state of one step, as tensors on the logits' device.
+
+    Optional tensors are ``None`` when no row in the batch needs them, so the
+    common case (greedy, no penalties, no logprobs) does no extra work.
+    """
+
+    temperature: torch.Tensor  # float32[rows]; 1.0 for greedy rows (they never use it)
+    greedy_mask: torch.Tensor | None  # bool[rows]; None when all_greedy or all_random
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # int64[rows]; vocab_size where a row has no top-k
+    max_top_k: int  # the largest enabled top_k in the batch (0 when top_k is None)
+    top_p: torch.Tensor | None  # float32[rows]; 1.0 where a row has no top-p
+    min_p: torch.Tensor | None  # float32[rows]; 0.0 where a row has no min-p
+    presence_penalties: torch.Tensor | None  # float32[rows]
+    frequency_penalties: torch.Tensor | None  # float32[rows]
+    repetition_penalties: torch.Tensor | None  # float32[rows]
+    prompt_token_mask: torch.Tensor | None  # bool[rows, vocab]: token occurs in the prompt
+    output_token_counts: torch.Tensor | None  # float32[rows, vocab]: occurrences in the output
+    logit_bias_rows: torch.Tensor | None  # int64[n]
+    logit_bias_tokens: torch.Tensor | None  # int64[n]
+    logit_bias_values: torch.Tensor | None  # float32[n]
+    min_tokens_rows: torch.Tensor | None  # int64[m]: (row, token) pairs to set to -inf
+    min_tokens_tokens: torch.Tensor | None  # int64[m]
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded random rows
+    max_num_logprobs: int | None = None  # top-N to return; None: no logprobs at all
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_counts is None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        eos_token_ids: Sequence[set[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Build the metadata of one step from per-row Python data.
+
+        Row ``i`` is sampled with ``params[i]``; its prompt and output so far feed
+        the penalties and the min-tokens check; ``eos_token_ids[i]`` are masked (with
+        ``params[i].stop_token_ids``) while the output is shorter than ``min_tokens``,
+        unless ``ignore_eos``; ``generators[i]`` (on ``device``) is used when the row
+        is seeded.  Token ids must already be checked with ``validate_for_vocab``.
+        """
+        num_rows = len(params)
+        for name, seq in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+            ("eos_token_ids", eos_token_ids),
+            ("generators", generators),
+        ):
+            if len(seq) != num_rows:
+                raise ValueError(f"{name} has {len(seq)} rows, params has {num_rows}")
+
+        greedy = [p.is_greedy for p in params]
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+        all_greedy = not random_rows
+        all_random = not any(greedy)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+        greedy_mask = None
+        if not all_greedy and not all_random:
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+
+        top_k = min_p = top_p = None
+        max_top_k = 0
+        row_top_k = [
+            p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size
+            for p, g in zip(params, greedy)
+        ]
+        if any(k < vocab_size for k in row_top_k):
+            top_k = longs(row_top_k)
+            max_top_k = max(k for k in row_top_k if k < vocab_size)
+        if any(p.top_p < 1.0 for p in random_rows):
+            top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+        if any(p.min_p > 0.0 for p in random_rows):
+            min_p = floats([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+
+        presence = frequency = repetition = prompt_mask = output_counts = None
+        if any(p.has_penalties for p in params):
+            presence = floats([p.presence_penalty for p in params])
+            frequency = floats([p.frequency_penalty for p in params])
+            output_counts = _token_counts(
+                [out if p.has_penalties else [] for p, out in zip(params, output_token_ids)],
+                vocab_size,
+                device,
+            )
+            if any(p.repetition_penalty != 1.0 for p in params):
+                repetition = floats([p.repetition_penalty for p in params])
+                prompt_mask = _token_counts(
+                    [
+                        prompt if p.repetition_penalty != 1.0 else []
+                        for p, prompt in zip(params, prompt_token_ids)
+                    ],
+                    vocab_size,
+                    device,
+                ) > 0
+
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        for row, p in enumerate(params):
+            for token_id, value in (p.logit_bias or {}).items():
+                _check_token_id("logit_bias", token_id, vocab_size)
+                bias_rows.append(row)
+                bias_tokens.append(token_id)
+                bias_values.append(value)
+
+        min_rows: list[int] = []
+        min_tokens: list[int] = []
+        for row, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids)):
+            if len(out) >= p.min_tokens:
+                continue
+            blocked = set(p.stop_token_ids or [])
+            if not p.ignore_eos:
+                blocked |= set(eos)
+            for token_id in sorted(blocked):
+                _check_token_id("min_tokens stop token", token_id, vocab_size)
+                min_rows.append(row)
+                min_tokens.append(token_id)
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            greedy_mask=greedy_mask,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
+            prompt_token_mask=prompt_mask,
+            output_token_counts=output_counts,
+            logit_bias_rows=longs(bias_rows) if bias_rows else None,
+            logit_bias_tokens=longs(bias_tokens) if bias_rows else None,
+            logit_bias_values=floats(bias_values) if bias_rows else None,
+            min_tokens_rows=longs(min_rows) if min_rows else None,
+            min_tokens_tokens=longs(min_tokens) if min_rows else None,
+            generators={
+                row: gen
+                for row, (gen, g) in enumerate(zip(generators, greedy))
+                if gen is not None and not g
+            },
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+
+def _check_token_id(what: str, token_id: int, vocab_size: int) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"{what} token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """float32[rows, vocab]: how many times each token occurs in each row's list."""
+    num_rows = len(token_ids)
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    # Pad with an extra id ``vocab_size`` whose column is dropped afterwards.
+    padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device).view(num_rows, max_len)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one step from the raw distribution, one row per sampled token."""
+
+    sampled_logprobs: torch.Tensor  # float32[rows]
+    sampled_ranks: torch.Tensor  # int64[rows]; 1 + number of tokens strictly more likely
+    topk_token_ids: torch.Tensor  # int64[rows, N], most likely first
+    topk_logprobs: torch.Tensor  # float32[rows, N]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64[rows]
+    logprobs: LogprobsTensors | None = None  # None unless some row asked for logprobs
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """The given tokens' logprobs and ranks, and the top ``num_logprobs`` of each row.
+
+    ``logprobs`` is float32[rows, vocab] (a ``log_softmax``); ``token_ids`` int64[rows].
+    Also serves prompt logprobs, where ``token_ids`` are the next prompt tokens.
+    """
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    top = logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(sampled, ranks, top.indices, top.values)
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.logit_bias_rows is None:
+        return logits
+    index = (metadata.logit_bias_rows, metadata.logit_bias_tokens)
+    return logits.index_put(index, metadata.logit_bias_values, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.min_tokens_rows is None:
+        return logits
+    index = (metadata.min_tokens_rows, metadata.min_tokens_tokens)
+    return logits.index_put(index, torch.tensor(_NEG_INF, device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt or output tokens), then frequency and presence (output tokens).
+
+    repetition: a seen token's logit is divided by the penalty when positive and
+    multiplied by it otherwise; then ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    counts = metadata.output_token_counts
+    if counts is None:
+        return logits
+    output_mask = counts > 0
+    if metadata.repetition_penalties is not None:
+        seen = output_mask
+        if metadata.prompt_token_mask is not None:
+            seen = seen | metadata.prompt_token_mask
+        penalty = metadata.repetition_penalties.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    assert metadata.frequency_penalties is not None and metadata.presence_penalties is not None
+    logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts
+    return logits - metadata.presence_penalties.unsqueeze(1) * output_mask
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens with ``prob < min_p * max_prob`` (a row with min_p 0 keeps all)."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep tokens whose logit is >= the row's k-th largest (rows with k == vocab keep all)."""
+    vocab_size = logits.shape[-1]
+    top_values = logits.topk(max_top_k, dim=-1).values
+    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    kth = kth.masked_fill((top_k >= vocab_size).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """top-k then top-p on one descending sort (see the module docstring for the support)."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        # Tokens needed to reach top_p: those before the first cumsum >= top_p, plus it.
+        num_keep = (cumulative < top_p.unsqueeze(1)).sum(dim=-1) + 1
+        num_keep = torch.where(top_p >= 1.0, vocab_size, num_keep.clamp(max=vocab_size))
+        threshold = sorted_probs.gather(1, (num_keep - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_probs < threshold, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)``, i.e. a draw from ``probs``.
+
+    Seeded rows draw their ``q`` row from their own generator; the rest from the
+    default one.  Tokens with probability 0 can never win.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # Exp(1) can return 0 in floating point; 0 / 0 would be NaN and win the argmax.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+class Sampler(nn.Module):
+    """Turns one step's logits into token ids (and logprobs when asked)."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits``: float[rows, vocab], one row per sequence to sample."""
+        logits = logits.float()  # no copy when already float32; nothing below is in place
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+
+        logits = self.apply_logits_processors(logits, metadata)
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            assert greedy_ids is not None
+            sampled = greedy_ids
+        else:
+            probs = self.filtered_logits(logits, metadata).softmax(dim=-1)
+            sampled = random_sample(probs, metadata.generators)
+            if greedy_ids is not None:
+                assert metadata.greedy_mask is not None
+                sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            assert metadata.max_num_logprobs is not None
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Steps shared by greedy and random rows: logit bias, min-tokens, penalties."""
+        logits = apply_logit_bias(logits, metadata)
+        logits = apply_min_tokens(logits, metadata)
+        return apply_penalties(logits, metadata)
+
+    @staticmethod
+    def filtered_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, then min-p, top-k, top-p: masked tokens are -inf."""
+        logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        elif metadata.top_k is not None:
+            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        return logits

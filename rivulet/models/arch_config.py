@@ -1,0 +1,108 @@
+"""The shape of a decoder model, read from a Hugging Face `config.json` dict.
+
+GGUF metadata is first translated into the same dict (see `loader/gguf.py`), so there is one
+path from any checkpoint to a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rivulet.config import RivuletError
+
+# Per-architecture facts that the config dict leaves implicit.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {"norm_topk_prob": True},
+}
+
+
+@dataclass
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_interleaved: bool = False
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # mixture of experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, i: int) -> bool:
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise RivuletError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        c = {**_ARCH_DEFAULTS.get(arch, {}), **cfg}
+        if c.get("hidden_act", "silu") != "silu":
+            raise RivuletError(f"unsupported activation {c['hidden_act']!r} (only silu)")
+        if c.get("mlp_bias"):
+            raise RivuletError("MLP biases are not supported")
+        heads = c["num_attention_heads"]
+        rope = c.get("rope_parameters") or {}
+        scaling = dict(rope) if rope else c.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        eos = c.get("eos_token_id")
+        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c.get("intermediate_size", 0),
+            num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            rope_interleaved=c.get("rope_interleaved", False),
+            partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            attention_bias=c.get("attention_bias", False),
+            qk_norm=c.get("qk_norm", False),
+            sliding_window=window,
+            num_experts=c.get("num_experts") or c.get("num_local_experts") or 0,
+            num_experts_per_tok=c.get("num_experts_per_tok", 0),
+            moe_intermediate_size=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
+            norm_topk_prob=c.get("norm_topk_prob", False),
+            decoder_sparse_step=c.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(c.get("mlp_only_layers") or []),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            torch_dtype=c.get("dtype") or c.get("torch_dtype"),
+        )

@@ -1,0 +1,157 @@
+"""GGUF files (llama.cpp's format): metadata -> Hugging Face config dict, tensors -> HF names.
+
+Quantized tensors are dequantized with the `gguf` package's reference dequantizers. llama.cpp
+stores the q/k projections of "llama"-architecture models permuted for interleaved RoPE; they are
+permuted back here so every model uses the Hugging Face (neox) rotary layout.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from rivulet.config import RivuletError
+from rivulet.models.loader.source import ModelSource
+
+SUPPORTED_TYPES = {
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+}
+
+# gguf architecture -> (HF architecture, HF architecture when it has experts)
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "MixtralForCausalLM"),
+    "mistral": ("MistralForCausalLM", "MixtralForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM", None),
+    "qwen3": ("Qwen3ForCausalLM", None),
+    "qwen3moe": (None, "Qwen3MoeForCausalLM"),
+}
+_PERMUTED_QK = {"llama", "mistral"}
+
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFCheckpoint:
+    def __init__(self, src: ModelSource) -> None:
+        try:
+            self.reader = GGUFReader(str(src.gguf_path))
+        except (OSError, ValueError) as e:
+            raise RivuletError(f"cannot read GGUF file {src.gguf_path}: {e}") from None
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in _ARCHS:
+            raise RivuletError(f"unsupported GGUF architecture {self.arch!r}; supported: {', '.join(_ARCHS)}")
+        bad = sorted({f"{t.name} ({t.tensor_type.name})" for t in self.reader.tensors if t.tensor_type not in SUPPORTED_TYPES})
+        if bad:
+            raise RivuletError(f"unsupported GGUF tensor type in {src.gguf_file}: {', '.join(bad[:3])}; "
+                               f"supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
+            raise RivuletError("GGUF rope frequency factors (rope_freqs.weight) are not supported yet")
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.arch}.{key}", default)
+
+    @cached_property
+    def hf_config(self) -> dict[str, Any]:
+        """The metadata as a Hugging Face config.json dict."""
+        names = {t.name for t in self.reader.tensors}
+        experts = self.arch_field("expert_count", 0) or 0
+        dense_arch, moe_arch = _ARCHS[self.arch]
+        arch = moe_arch if experts else dense_arch
+        if arch is None:
+            raise RivuletError(f"GGUF architecture {self.arch!r} with expert_count={experts} is not supported")
+        heads = self.arch_field("attention.head_count")
+        hidden = self.arch_field("embedding_length")
+        vocab = self.arch_field("vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+        cfg: dict[str, Any] = {
+            "architectures": [arch],
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": self.arch_field("feed_forward_length", 0),
+            "num_hidden_layers": self.arch_field("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.arch_field("attention.head_count_kv", heads),
+            "head_dim": self.arch_field("attention.key_length", hidden // heads),
+            "rms_norm_eps": self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            "max_position_embeddings": self.arch_field("context_length", 2048),
+            "rope_theta": self.arch_field("rope.freq_base", 10000.0),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+        }
+        rot = self.arch_field("rope.dimension_count")
+        if rot and rot != cfg["head_dim"]:
+            cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+        scaling = self.arch_field("rope.scaling.type")
+        if scaling and scaling != "none":
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
+        if self.arch_field("attention.sliding_window"):
+            cfg["sliding_window"] = self.arch_field("attention.sliding_window")
+        if experts:
+            cfg.update(num_experts=experts, num_experts_per_tok=self.arch_field("expert_used_count"),
+                       moe_intermediate_size=self.arch_field("expert_feed_forward_length", cfg["intermediate_size"]),
+                       norm_topk_prob=True)
+        return cfg
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, dequantized tensor) pairs."""
+        cfg = self.hf_config
+        for t in self.reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape))  # gguf lists dimensions fastest-first
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            w = torch.from_numpy(arr)
+            name = _NAMES.get(t.name)
+            if name is None:
+                m = _BLOCK.match(t.name)
+                if m is None:
+                    raise RivuletError(f"unexpected GGUF tensor {t.name!r}")
+                layer, kind, suffix = m.groups()
+                prefix = f"model.layers.{layer}"
+                if kind in _EXPERT_NAMES:
+                    for e in range(w.shape[0]):
+                        yield f"{prefix}.mlp.experts.{e}.{_EXPERT_NAMES[kind]}.weight", w[e].to(dtype)
+                    continue
+                if kind not in _BLOCK_NAMES:
+                    raise RivuletError(f"unexpected GGUF tensor {t.name!r}")
+                name = f"{prefix}.{_BLOCK_NAMES[kind]}.{suffix}"
+                if self.arch in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
+                    n_head = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
+                    w = unpermute_qk(w, n_head)
+            yield name, w.to(dtype)
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head (interleaved-RoPE) row permutation of a q/k weight or bias."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,28 @@
+"""Model classes keyed by the Hugging Face `architectures` name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from rivulet.config import RivuletError
+from rivulet.models.arch_config import ArchConfig
+from rivulet.models.llama import LlamaForCausalLM
+from rivulet.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+
+
+def get_model_class(cfg: ArchConfig) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[cfg.architecture]
+    except KeyError:
+        raise RivuletError(
+            f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None

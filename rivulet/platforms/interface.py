@@ -1,0 +1,36 @@
+"""What every platform tells the layers above it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Platform:
+    """A device kind: its name, default dtype, memory and the attention backend it uses."""
+
+    name: str = "base"
+    device_type: str = "cpu"
+    default_dtype: torch.dtype = torch.bfloat16
+    dist_backend: str = "gloo"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.bfloat16, torch.float16)
+
+    def free_memory_bytes(self) -> int:
+        """Memory that a KV cache could still take, in bytes."""
+        raise NotImplementedError
+
+    def attention_backend(self) -> str:
+        """Name of the paged-attention implementation in `rivulet.kernels.attention`."""
+        return "torch"
+
+    def synchronize(self) -> None:
+        pass

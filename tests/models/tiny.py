@@ -1,0 +1,44 @@
+"""Tiny random-weight Hugging Face checkpoints of each supported architecture, written by tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3-rope-tied": ("LlamaConfig", dict(
+        tie_word_embeddings=True, num_key_value_heads=1,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "mistral-window": ("MistralConfig", dict(sliding_window=12, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=False, head_dim=16, mlp_only_layers=[1],
+                                         tie_word_embeddings=False)),
+}
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | None = None) -> transformers.PreTrainedModel:
+    """Write `kind`'s config + safetensors to `path`; return the transformers model (float32, eval)."""
+    cls_name, extra = TINY_CONFIGS[kind]
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # random init is ~N(0, 0.02): widen it so logits are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+            elif p.dim() == 1:
+                p.uniform_(0.5, 1.5) if "norm" in "".join(n for n, q in model.named_parameters() if q is p) else p.normal_(0, 0.1)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    return model.eval()
