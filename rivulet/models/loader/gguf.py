@@ -130,7 +130,7 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))  # gguf lists dimensions fastest-first
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            w = torch.from_numpy(arr)
+            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
             name = _NAMES.get(t.name)
             if name is None:
                 m = _BLOCK.match(t.name)

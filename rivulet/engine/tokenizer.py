@@ -1,0 +1,59 @@
+"""Tokenizer and generation defaults of a model, from its HF folder or its GGUF metadata.
+
+Building a tokenizer from GGUF metadata takes seconds, so the converted tokenizer is saved once
+under the cache folder (``$RIVULET_CACHE_DIR``, default ``~/.cache/rivulet``) and reloaded from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from rivulet.config import RivuletError
+from rivulet.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RIVULET_CACHE_DIR", Path.home() / ".cache" / "rivulet"))
+
+
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (or the one at `tokenizer`, a folder), with its chat template."""
+    try:
+        if tokenizer is not None:
+            return AutoTokenizer.from_pretrained(tokenizer)
+        if not src.is_gguf:
+            return AutoTokenizer.from_pretrained(str(src.path))
+        cached = cache_dir() / "tokenizers" / _gguf_cache_key(src.gguf_path)
+        if (cached / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tok = AutoTokenizer.from_pretrained(str(src.path), gguf_file=src.gguf_file)
+        try:
+            tok.save_pretrained(str(cached))
+        except OSError as e:  # a read-only home is fine: convert again next time
+            logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+        return tok
+    except (OSError, ValueError) as e:
+        raise RivuletError(f"cannot load a tokenizer for {tokenizer or src.path}: {e}") from None
+
+
+def eos_token_ids(src: ModelSource, config_eos: list[int], tok: PreTrainedTokenizerBase | None) -> set[int]:
+    """End-of-sequence ids from the model config, generation_config.json and the tokenizer."""
+    ids = set(config_eos)
+    gen = src.read_json("generation_config.json") or {}
+    eos = gen.get("eos_token_id")
+    ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return ids

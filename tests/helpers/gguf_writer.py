@@ -1,0 +1,70 @@
+"""Write a tiny transformers model as a GGUF file, the way llama.cpp's converter lays it out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize
+
+_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation (HF rotate-half layout -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_NAMES[module]}.{suffix}"
+
+
+def write_gguf(hf_model, path: Path, qtype: QT = QT.F32, arch: str = "llama") -> dict[str, np.ndarray]:
+    """Write `hf_model` (float32) to `path`; 2-D weights in `qtype`, norms/biases in F32.
+    Returns the HF-named float32 tensors the file decodes to (quantization error included)."""
+    c = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(2)
+    expected: dict[str, np.ndarray] = {}
+    state = hf_model.state_dict()
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, t in state.items():
+        a = t.detach().to(torch.float32).numpy()
+        q = qtype if a.ndim == 2 else QT.F32
+        # quantization blocks run along rows and the q/k permutation only reorders rows, so the
+        # decoded tensor is the decoded original, un-permuted
+        expected[name] = gguf.quants.dequantize(quantize(a, q), q).reshape(a.shape).astype(np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            a = permute_qk(a, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
+        w.add_tensor(gguf_name(name), quantize(a, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected

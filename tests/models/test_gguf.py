@@ -1,0 +1,81 @@
+"""GGUF loading: metadata translation, dequantization, q/k un-permutation, clear errors."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from helpers.gguf_writer import permute_qk, write_gguf
+from helpers.runner import make_runner, teacher_forced_logits
+from rivulet.config import RivuletError
+from rivulet.models.loader import resolve_model
+from rivulet.models.loader.gguf import GGUFCheckpoint, unpermute_qk
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = torch.randn(4 * 16, 24)
+    assert torch.equal(unpermute_qk(torch.from_numpy(permute_qk(w.numpy(), 4)), 4), w)
+    assert not torch.equal(torch.from_numpy(permute_qk(w.numpy(), 4)), w)
+
+
+@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2")])
+def test_f32_gguf_logits_match_transformers(kind, arch, tmp_path, tiny_model_dir):
+    _, hf = tiny_model_dir(kind)
+    write_gguf(hf, tmp_path / "m.gguf", QT.F32, arch)
+    ids = list(range(40, 70))
+    ours = teacher_forced_logits(make_runner(tmp_path / "m.gguf"), ids, chunks=[20], blocks=list(range(10)))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1])
+def test_quantized_tensors_decode_exactly(qtype, tmp_path, tiny_model_dir):
+    _, hf = tiny_model_dir("llama3-rope-tied")
+    expected = write_gguf(hf, tmp_path / "m.gguf", qtype)
+    ckpt = GGUFCheckpoint(resolve_model(str(tmp_path / "m.gguf")))
+    assert ckpt.hf_config["tie_word_embeddings"] is True
+    got = dict(ckpt.weights(torch.float32))
+    assert set(got) == set(expected)
+    for name, t in got.items():
+        np.testing.assert_array_equal(t.numpy(), expected[name], err_msg=name)
+    w = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    err = (got["model.layers.0.self_attn.q_proj.weight"] - w).abs().max().item()
+    assert 0 < err < 0.1 * w.abs().max().item()  # really quantized, and still the same weight
+
+
+def test_config_translation(tmp_path, tiny_model_dir):
+    _, hf = tiny_model_dir("llama")
+    write_gguf(hf, tmp_path / "m.gguf")
+    cfg = GGUFCheckpoint(resolve_model(str(tmp_path / "m.gguf"))).hf_config
+    c = hf.config
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads)
+    assert cfg["tie_word_embeddings"] is False and cfg["eos_token_id"] == 2
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    w.add_block_count(1)
+    block, size = gguf.GGML_QUANT_SIZES[QT.IQ2_XXS]
+    w.add_tensor("token_embd.weight", np.zeros((4, size * 2), dtype=np.uint8), raw_dtype=QT.IQ2_XXS)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(RivuletError, match=r"unsupported GGUF tensor type .*token_embd.weight \(IQ2_XXS\)"):
+        GGUFCheckpoint(resolve_model(str(tmp_path / "bad.gguf")))
+
+
+def test_unsupported_architecture(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "rwkv6")
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(RivuletError, match="unsupported GGUF architecture 'rwkv6'"):
+        GGUFCheckpoint(resolve_model(str(tmp_path / "x.gguf")))
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(RivuletError, match="cannot read GGUF file"):
+        GGUFCheckpoint(resolve_model(str(tmp_path / "junk.gguf")))
