@@ -1,14 +1,19 @@
 """Request state, the paged KV cache manager and the scheduler. Pure Python: no torch."""
 
 from rivulet.core.block_pool import BlockPool, KVCacheBlock
-from rivulet.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, hash_block_tokens
+from rivulet.core.kv_cache_manager import (
+    ROOT_HASH,
+    KVCacheManager,
+    PrefixCacheStats,
+    hash_block_tokens,
+)
 from rivulet.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from rivulet.core.request import Request, RequestStatus
+from rivulet.core.request import FINISH_REASONS, Request, RequestStatus
 from rivulet.core.request_queue import RequestQueue
 from rivulet.core.scheduler import Scheduler, SchedulerStats
 
@@ -16,12 +21,14 @@ __all__ = [
     "BlockPool",
     "CachedRequestData",
     "EngineCoreOutput",
+    "FINISH_REASONS",
     "KVCacheBlock",
     "KVCacheManager",
     "NewRequestData",
     "PrefixCacheStats",
     "Request",
     "RequestQueue",
+    "ROOT_HASH",
     "RequestStatus",
     "Scheduler",
     "SchedulerOutput",

@@ -8,9 +8,16 @@ from rivulet.core.block_pool import BlockPool, KVCacheBlock
 from rivulet.core.request import Request
 
 
+# Stands in for the parent of the first block. (``hash(None)`` is not stable across
+# processes before Python 3.12; ints and tuples of ints always are.)
+ROOT_HASH = 0x52_49_56_55
+
+
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of one full block, chained from the block before it."""
-    return hash((parent_hash, token_ids))
+    """The prefix-cache key of one full block, chained from the block before it
+    (``parent_hash`` None for the first block). Deterministic across processes.
+    """
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
 
 
 @dataclass

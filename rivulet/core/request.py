@@ -28,10 +28,11 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI ``finish_reason`` for a finished status, None otherwise."""
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS: dict[RequestStatus, str] = {
+# Finished status -> OpenAI ``finish_reason``.
+FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",

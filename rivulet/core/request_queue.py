@@ -11,7 +11,8 @@ from rivulet.core.request import Request
 class RequestQueue:
     """Requests sorted by ``Request.sort_key``: the front is served first, the back
     is the first to be preempted. A preempted request keeps its key, so it goes back
-    to the place it had, ahead of later arrivals of the same priority.
+    to the place it had, ahead of later arrivals of the same priority. A request's
+    priority and arrival time must not change while it is queued.
     """
 
     def __init__(self) -> None:
@@ -47,6 +48,10 @@ class RequestQueue:
 
     def __getitem__(self, index: int) -> Request:
         return self._items[index]
+
+    def after(self, index: int) -> list[Request]:
+        """The requests behind position ``index``."""
+        return self._items[index + 1 :]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -140,7 +140,7 @@ class Scheduler:
                 break  # req itself left the queue, and it was the last one
             if len(out.preempted_request_ids) != num_preempted:  # victims left from behind
                 decodes_left = sum(
-                    1 for r in self.running[i + 1 :] if r.num_tokens - r.num_computed_tokens == 1
+                    1 for r in self.running.after(i) if r.num_tokens - r.num_computed_tokens == 1
                 )
             out.num_scheduled_tokens[req.request_id] = num_new
             out.cached_requests.append(
@@ -225,7 +225,7 @@ class Scheduler:
         self._error_outputs.append(
             EngineCoreOutput(
                 req.request_id, [], "error", num_cached_tokens=max(req.num_cached_tokens, 0),
-                error=req.error,
+                error=error,
             )
         )
 

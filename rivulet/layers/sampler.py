@@ -106,8 +106,8 @@ class SamplingMetadata:
 
         greedy = [p.is_greedy for p in params]
         random_rows = [p for p, g in zip(params, greedy) if not g]
-        all_greedy = not random_rows
-        all_random = not any(greedy)
+        all_greedy = not random_rows  # also true for an empty batch
+        all_random = bool(random_rows) and not any(greedy)
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)

@@ -157,3 +157,20 @@ def test_reset_prefix_cache() -> None:
     kv.free(a)
     assert kv.reset_prefix_cache() is True
     assert kv.get_computed_blocks(make_request("b", prompt)) == ([], 0)
+
+
+def test_block_hash_is_the_same_in_every_process() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    code = "from rivulet.core import hash_block_tokens as h; print(h(h(None, (1, 2)), (3, 4)))"
+    values = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+            env={"PYTHONHASHSEED": seed, "PYTHONPATH": root},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(values) == 1

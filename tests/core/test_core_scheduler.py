@@ -82,14 +82,16 @@ def test_higher_priority_prefill_leaves_room_for_decodes() -> None:
 def test_token_budget_and_max_num_seqs() -> None:
     sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=8)
     runner = runner_for(sched)
-    for i in range(10):
-        sched.add_request(make_request(f"r{i}", [50 + i] * 5, max_tokens=2, arrival_time=i))
+    reqs = [make_request(f"r{i}", [50 + i] * 5, max_tokens=2, arrival_time=i) for i in range(10)]
+    for r in reqs:
+        sched.add_request(r)
     assert step(sched, runner)[0].num_scheduled_tokens == {"r0": 5, "r1": 3}
     assert step(sched, runner)[0].num_scheduled_tokens == {"r0": 1, "r1": 2, "r2": 5}
     assert step(sched, runner)[0].num_scheduled_tokens == {"r1": 1, "r2": 1, "r3": 5}
     assert sched.num_running == 1 and sched.num_waiting == 6  # r1, r2 finished
     tokens, final, steps = run_all(sched, runner)  # run_all checks both limits every step
-    assert len(final) == 10 and all(o.finish_reason == "length" for o in final.values())
+    assert len(final) == 7 and all(o.finish_reason == "length" for o in final.values())
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 2 for r in reqs)
     assert max(len(s.num_scheduled_tokens) for s in steps) == 3
     assert max(s.total_num_scheduled_tokens for s in steps) == 8
 
@@ -121,7 +123,8 @@ def test_request_that_cannot_get_a_block_preempts_itself() -> None:
     assert out.num_scheduled_tokens == {"a": 1}  # b waits: a still holds 2 of 4 blocks
     out, _ = step(sched, runner)
     assert out.num_scheduled_tokens == {"b": 9} and out.finished_request_ids == {"a"}
-    assert out.new_requests[0].token_ids == b.all_token_ids and len(b.all_token_ids) == 9
+    assert out.new_requests[0].token_ids == b.all_token_ids[:9]  # prompt + 1st output
+    assert len(b.all_token_ids) == 10  # + the token this step sampled
     tokens, final, _ = run_all(sched, runner)
     assert final["b"].finish_reason == "length" and b.num_output_tokens == 3
     assert (a.num_preemptions, b.num_preemptions) == (0, 1)
@@ -246,7 +249,7 @@ def test_n_samples_admitted_together_share_prompt_blocks() -> None:
     ]
     tokens, final, _ = run_all(sched, runner)
     assert [final[f"s{i}"].num_cached_tokens for i in range(3)] == [0, 8, 8]
-    assert all(len(t) == 3 for t in tokens.values())
+    assert all(len(t) == 2 for t in tokens.values())  # plus one token from the first step
     kv = sched.kv_cache_manager
     assert (kv.stats.queries, kv.stats.hits) == (36, 16)
     check_all_free(sched)
@@ -274,3 +277,25 @@ def test_messages_pickle() -> None:
     assert pickle.loads(pickle.dumps(out)) == out
     o = EngineCoreOutput("a", [1], "stop", 7, 0, None)
     assert pickle.loads(pickle.dumps(o)) == o
+
+
+def test_missing_token_from_the_runner_finishes_with_an_error() -> None:
+    sched = make_scheduler()
+    sched.add_request(make_request("a", [3, 4, 5], max_tokens=4))
+    sched.add_request(make_request("b", [6, 7, 8], max_tokens=4))
+    out = sched.schedule()
+    outputs = sched.update_from_output(out, {"b": [42]})
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["b"].new_token_ids == [42] and not by_id["b"].finished
+    assert by_id["a"].finish_reason == "error" and "no token" in by_id["a"].error
+    assert sched.get_num_unfinished_requests() == 1 and sched.num_running == 1
+
+
+def test_stats_snapshot() -> None:
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=1)
+    sched.add_request(make_request("a", list(range(8)), max_tokens=2))
+    sched.add_request(make_request("b", [9], max_tokens=2))
+    sched.schedule()
+    s = sched.get_stats()
+    assert (s.num_running, s.num_waiting, s.num_preemptions) == (1, 1, 0)
+    assert s.kv_cache_usage == pytest.approx(0.2) and (s.prefix_cache_queries, s.prefix_cache_hits) == (8, 0)

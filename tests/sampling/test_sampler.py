@@ -459,3 +459,10 @@ def test_metadata_build_rejects_bad_input() -> None:
         )
     with pytest.raises(ValueError, match="logit_bias token id 10 is outside"):
         build([SamplingParams(logit_bias={10: 1.0})], vocab=10)
+
+
+def test_empty_batch() -> None:
+    metadata = build([])
+    assert metadata.all_greedy and not metadata.all_random
+    out = Sampler()(torch.zeros(0, VOCAB), metadata)
+    assert out.sampled_token_ids.shape == (0,)

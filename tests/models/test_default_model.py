@@ -1,0 +1,98 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.runner import make_runner
+from rivulet.engine.tokenizer import load_tokenizer
+from rivulet.models.loader import resolve_model
+from rivulet.worker.batch import SeqChunk
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+]
+STEPS = 48
+MARGIN = 1e-4
+
+
+@pytest.fixture(scope="module")
+def src():
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(src):
+    return load_tokenizer(src)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    raw = [tokenizer(p).input_ids for p in PROMPTS]
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            for p in PROMPTS]
+    chat = [c["input_ids"] if isinstance(c, dict) or hasattr(c, "keys") else c for c in chat]
+    return raw + chat
+
+
+@pytest.fixture(scope="module")
+def reference(src, prompts):
+    """transformers' greedy continuations and per-step raw logits."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(src.path), gguf_file=src.gguf_file, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # compare all STEPS tokens: no stopping, no EOS masking
+    out = []
+    for ids in prompts:
+        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True, pad_token_id=0, repetition_penalty=None)
+        out.append((g.sequences[0, len(ids):].tolist(), torch.cat(g.logits).float()))
+    return out
+
+
+def _greedy(runner, ids: list[int], steps: int) -> list[int]:
+    blocks = list(range(64))
+    logits = runner.forward([SeqChunk(ids, 0, blocks)])
+    toks: list[int] = []
+    for _ in range(steps):
+        toks.append(int(logits[0].argmax()))
+        logits = runner.forward([SeqChunk([toks[-1]], len(ids) + len(toks) - 1, blocks)])
+    return toks
+
+
+def test_greedy_float32_matches_transformers(prompts, reference):
+    runner = make_runner("default", "float32", num_blocks=64 * 1, block_size=16)
+    for ids, (ref_toks, ref_logits) in zip(prompts, reference):
+        ours = _greedy(runner, ids, STEPS)
+        for step, (a, b) in enumerate(zip(ours, ref_toks)):
+            if a != b:
+                top2 = ref_logits[step].topk(2).values
+                margin = (top2[0] - top2[1]).item()
+                assert margin < MARGIN, f"prompt {ids[:8]}...: step {step} differs ({a} vs {b}) at margin {margin:.3g}"
+                break  # after a near-tie the continuations legitimately diverge
+
+
+def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
+    """bf16 next-token agreement and log-probability error, teacher-forced on the fp32 continuations."""
+    runner = make_runner("default", "bfloat16", num_blocks=64, block_size=16)
+    agree = total = 0
+    dlp = []
+    for ids, (ref_toks, ref_logits) in zip(prompts, reference):
+        seq = ids + ref_toks
+        logits = runner.forward([SeqChunk(seq, 0, list(range(64)))], all_logits=True)[len(ids) - 1 : -1]
+        agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+        total += len(ref_toks)
+        lp, ref_lp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        idx = torch.tensor(ref_toks)[:, None]
+        dlp.append((lp.gather(1, idx) - ref_lp.gather(1, idx)).abs().flatten())
+    rate, mean_dlp = agree / total, torch.cat(dlp).mean().item()
+    with capsys.disabled():
+        print(f"\nbf16 vs fp32 on the default model: top-1 agreement {rate:.4f} over {total} steps, "
+              f"mean |dlogprob| {mean_dlp:.4f}")
+    assert rate >= 0.9 and mean_dlp < 0.15
