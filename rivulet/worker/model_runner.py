@@ -7,11 +7,14 @@ import logging
 import torch
 
 from rivulet.config import CacheConfig, ModelConfig, RivuletError
+from rivulet.core.outputs import SchedulerOutput
 from rivulet.layers.attention import Attention
-from rivulet.models.arch_config import ArchConfig
+from rivulet.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from rivulet.models.loader import ModelSource, load_model
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import SeqChunk, build_flat_batch
+from rivulet.worker.input_batch import InputBatch, RequestState
+from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +44,11 @@ class ModelRunner:
         self.model, self.arch = load_model(model_config, source, self.dtype, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.batch = InputBatch(self.device)
+        self.eos_token_ids: set[int] = set(self.arch.eos_token_ids)  # the engine may add more
 
-    @property
-    def arch_config(self) -> ArchConfig:
-        return self.arch
+    # ---- KV cache ----
 
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
@@ -60,7 +64,7 @@ class ModelRunner:
         if budget is None:
             budget = int(self.platform.free_memory_bytes() * cc.memory_utilization)
             if self.platform.name == "cpu":
-                budget = min(budget, 4 << 30)  # leave the rest of host memory to the system
+                budget = min(budget, 2 << 30)  # leave the rest of host memory to the system
         return max(budget // self.kv_bytes_per_block(), 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -73,12 +77,73 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, bs, num_blocks * bs,
                     num_blocks * self.kv_bytes_per_block() / 2**20)
 
+    # ---- one step ----
+
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:
-        """Run one flat batch; float32 logits of each chunk's last token [num_seqs, vocab]
+        """Run a hand-made flat batch; float32 logits of each chunk's last token [num_seqs, vocab]
         (or of every token [T, vocab] with `all_logits`)."""
         batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         if not all_logits:
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled tokens of every request and sample for those that reach the end
+        of their known tokens."""
+        self.batch.update(out)
+        result = ModelRunnerOutput()
+        if out.is_empty:
+            return result
+        states = [self.batch.requests[rid] for rid in out.num_scheduled_tokens]
+        chunks, rows, prompt_rows = [], [], []
+        offset = 0
+        for st, n in zip(states, out.num_scheduled_tokens.values()):
+            start = st.num_computed_tokens
+            chunks.append(SeqChunk(st.token_ids[start:start + n], start, st.block_ids))
+            if start + n >= len(st.token_ids):
+                rows.append((st, offset + n - 1))
+            if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens:
+                prompt_rows.append((st, offset, start, n))
+            offset += n
+        batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in rows], device=self.device)])
+            self._sample([st for st, _ in rows], logits, result)
+        for st, off, start, n in prompt_rows:
+            self._prompt_logprobs(st, hidden[off:off + n], start, result)
+        return result
+
+    def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        meta = SamplingMetadata.build(
+            [st.params for st in states], [st.token_ids[:st.num_prompt_tokens] for st in states],
+            [st.output_token_ids for st in states], [self.eos_token_ids] * len(states),
+            [self.batch.generators.get(st.req_id) for st in states], logits.shape[-1], self.device)
+        sampled = self.sampler(logits, meta)
+        ids = sampled.sampled_token_ids.tolist()
+        lp = sampled.logprobs
+        for row, (st, tok) in enumerate(zip(states, ids)):
+            st.token_ids.append(tok)
+            result.sampled_token_ids[st.req_id] = [tok]
+            if lp is not None and st.params.logprobs is not None:
+                k = st.params.logprobs
+                result.logprobs[st.req_id] = [TokenLogprobs(
+                    tok, float(lp.sampled_logprobs[row]), int(lp.sampled_ranks[row]),
+                    lp.topk_token_ids[row, :k].tolist(), lp.topk_logprobs[row, :k].tolist())]
+
+    def _prompt_logprobs(self, st: RequestState, hidden: torch.Tensor, start: int, result: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens start+1 .. from the logits at positions start .. (chunk by chunk)."""
+        end = min(start + hidden.shape[0], st.num_prompt_tokens - 1)
+        entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+        if end > start:
+            logprobs = self.model.compute_logits(hidden[: end - start]).log_softmax(-1)
+            targets = torch.tensor(st.token_ids[start + 1:end + 1], device=self.device)
+            k = st.params.prompt_logprobs or 0
+            g = gather_logprobs(logprobs, targets, max(k, 1))
+            for j in range(end - start):
+                entries.append(TokenLogprobs(int(targets[j]), float(g.sampled_logprobs[j]), int(g.sampled_ranks[j]),
+                                             g.topk_token_ids[j, :k].tolist(), g.topk_logprobs[j, :k].tolist()))
+        result.prompt_logprobs[st.req_id] = entries

@@ -1,0 +1,17 @@
+"""Rivulet: an LLM inference engine and OpenAI-compatible serving system."""
+
+from rivulet.config import RivuletError
+from rivulet.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # LLM imports torch and transformers: load it on first use
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from rivulet.engine import llm, outputs
+
+        return getattr(llm, name, None) or getattr(outputs, name)
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "RivuletError", "SamplingParams", "__version__"]

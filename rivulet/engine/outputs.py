@@ -1,0 +1,46 @@
+"""Results as users of vLLM know them: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one position: the chosen token and the top-N alternatives, by token id
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

@@ -1,0 +1,151 @@
+"""`rivulet` command line: generate (batch of prompts) and chat (interactive, streaming)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from rivulet.config import RivuletError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="HF folder, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rivulet", description="Rivulet LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete prompts offline and print the results")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", default=None, help="JSONL: one string or {'prompt': ...} per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user message")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    _engine_args(g)
+    _sampling_args(g)
+    c = sub.add_parser("chat", help="talk to the model in the terminal, streaming the replies")
+    c.add_argument("--system", default=None, help="system prompt")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(max_tokens=512, temperature=0.7)
+    return parser
+
+
+def _make_llm(a: argparse.Namespace) -> Any:
+    from rivulet.engine.llm import LLM
+
+    return LLM(a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
+               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+               kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching,
+               load_format=a.load_format, seed=a.seed)
+
+
+def _params(a: argparse.Namespace) -> Any:
+    from rivulet.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.sampling_seed,
+                          stop=a.stop, ignore_eos=a.ignore_eos)
+
+
+def _read_prompts(a: argparse.Namespace) -> list[str]:
+    prompts = list(a.prompt)
+    if a.prompts_file:
+        try:
+            with open(a.prompts_file) as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        item = json.loads(line)
+                        prompts.append(item if isinstance(item, str) else item["prompt"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise RivuletError(f"cannot read prompts from {a.prompts_file}: {e}") from None
+    if not prompts:
+        raise RivuletError("no prompt given: use --prompt TEXT or --prompts-file FILE")
+    return prompts
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    prompts = _read_prompts(a)
+    params = _params(a)
+    llm = _make_llm(a)
+    if a.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        if a.json:
+            print(json.dumps({"prompt": p, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+        elif len(prompts) == 1:
+            print(c.text)
+        else:
+            print(f"--- {p!r}\n{c.text}")
+
+
+def cmd_chat(a: argparse.Namespace) -> None:
+    llm = _make_llm(a)
+    engine, params = llm.engine, _params(a)
+    history: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+    print("Type a message (Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+        rid = engine.add_request(None, ids, params)
+        shown = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    reply = out.outputs[0].text
+                    print(reply[shown:], end="", flush=True)
+                    shown = len(reply)
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    a = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "chat": cmd_chat}[a.command](a)
+    except RivuletError as e:
+        print(f"rivulet: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

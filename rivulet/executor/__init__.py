@@ -1,0 +1,3 @@
+from rivulet.executor.uniproc import UniProcExecutor
+
+__all__ = ["UniProcExecutor"]

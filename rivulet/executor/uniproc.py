@@ -1,0 +1,34 @@
+"""The single-rank executor: the model runner lives in the engine's own process."""
+
+from __future__ import annotations
+
+from rivulet.config import EngineConfig
+from rivulet.core.outputs import SchedulerOutput
+from rivulet.models.arch_config import ArchConfig
+from rivulet.models.loader import ModelSource
+from rivulet.worker.model_runner import ModelRunner
+from rivulet.worker.outputs import ModelRunnerOutput
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.runner = ModelRunner(config.model, config.cache, source)
+
+    @property
+    def arch_config(self) -> ArchConfig:
+        return self.runner.arch
+
+    def set_eos_token_ids(self, ids: set[int]) -> None:
+        self.runner.eos_token_ids = set(ids)
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.num_blocks_for_budget()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(out)

@@ -1,0 +1,24 @@
+"""What a model runner step returns to the engine: plain data, cheap to send between processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of one chosen token (sampled or prompt), its rank, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # parallel to sampled_token_ids
+    # per prompt position covered this step; None for the first prompt token (nothing predicts it)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)

