@@ -69,7 +69,7 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens (rounded down to a block) can hit, so the
         last token is always computed and the model produces logits for it.
         """
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and request.use_prefix_cache):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks)

@@ -66,6 +66,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         sampling_params: Any = None,
+        use_prefix_cache: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,6 +77,8 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.sampling_params = sampling_params
+        # off when every prompt position must be computed (e.g. prompt logprobs are wanted)
+        self.use_prefix_cache = use_prefix_cache
 
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

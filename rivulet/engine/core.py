@@ -22,7 +22,7 @@ class StepOutput:
 
     core: EngineCoreOutput
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: tuple[int, list[TokenLogprobs | None]] | None = None  # (first position, entries)
 
 
 class EngineCore:
@@ -63,8 +63,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.executor.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
-        return [StepOutput(o, result.logprobs.get(o.request_id, []), result.prompt_logprobs.get(o.request_id, []))
-                for o in outputs] + [
-            StepOutput(EngineCoreOutput(rid, []), [], lps) for rid, lps in result.prompt_logprobs.items()
-            if rid not in result.sampled_token_ids
-        ]
+        steps = [StepOutput(o, result.logprobs.get(o.request_id, []), result.prompt_logprobs.get(o.request_id))
+                 for o in outputs]
+        reported = {o.request_id for o in outputs}
+        steps += [StepOutput(EngineCoreOutput(rid, []), [], lps)  # mid-prompt chunks: prompt logprobs only
+                  for rid, lps in result.prompt_logprobs.items() if rid not in reported]
+        return steps

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from rivulet.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from rivulet.config import CacheConfig, EngineConfig, ModelConfig, RivuletError, SchedulerConfig
 from rivulet.engine.llm_engine import LLMEngine, PromptType
 from rivulet.engine.outputs import RequestOutput
 from rivulet.sampling_params import SamplingParams
@@ -81,6 +81,8 @@ class LLM:
         """Apply the model's chat template to each conversation and generate the reply."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        if tok is None:
+            raise RivuletError("this model has no tokenizer, so no chat template")
         prompts: list[PromptType] = []
         for conv in convs:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,

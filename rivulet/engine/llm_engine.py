@@ -37,8 +37,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.source = resolve_model(config.model.model)
+        self.core = EngineCore(config, self.source)  # validates the architecture before anything slow
         self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
-        self.core = EngineCore(config, self.source)
         arch = self.core.executor.arch_config
         self.vocab_size = arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
@@ -51,15 +51,17 @@ class LLMEngine:
     # ---- input ----
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
+        """(text or None, token ids) of a string, a token-id list, or {"prompt"/"prompt_token_ids": ...}."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise RivuletError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise RivuletError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
+        if self.tokenizer is None:
+            raise RivuletError("this model has no tokenizer: give prompts as token ids")
+        return text, self.tokenizer(text).input_ids
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0) -> str:
@@ -73,7 +75,7 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self._requests[request_id] = RequestOutput(request_id, text, ids, outputs,
-                                                   [] if params.prompt_logprobs is not None else None)
+                                                   [None] * len(ids) if params.prompt_logprobs is not None else None)
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
@@ -83,7 +85,7 @@ class LLMEngine:
             self._samples[cid] = _Sample(request_id, i, detok, outputs[i])
             self.core.add_request(Request(
                 cid, ids, max_tokens, () if p.ignore_eos else self.eos_token_ids, p.stop_token_ids or (),
-                p.min_tokens, priority, sampling_params=p))
+                p.min_tokens, priority, sampling_params=p, use_prefix_cache=p.prompt_logprobs is None))
         return request_id
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -131,7 +133,8 @@ class LLMEngine:
     def _apply(self, sample: _Sample, so: StepOutput, req: RequestOutput) -> None:
         o, c = sample.output, so.core
         if so.prompt_logprobs and req.prompt_logprobs is not None:
-            req.prompt_logprobs.extend(self._position(lp) if lp else None for lp in so.prompt_logprobs)
+            start, entries = so.prompt_logprobs  # a recompute after preemption rewrites the same slots
+            req.prompt_logprobs[start:start + len(entries)] = [self._position(e) if e else None for e in entries]
         req.num_cached_tokens = max(req.num_cached_tokens, c.num_cached_tokens)
         if o.finished:
             return

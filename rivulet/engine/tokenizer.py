@@ -28,12 +28,18 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (or the one at `tokenizer`, a folder), with its chat template."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer (or the one at `tokenizer`, a folder), with its chat template;
+    None for a Hugging Face folder that ships no tokenizer files."""
     try:
         if tokenizer is not None:
             return AutoTokenizer.from_pretrained(tokenizer)
         if not src.is_gguf:
+            if not any((src.path / f).is_file() for f in _TOKENIZER_FILES):
+                return None  # a weights-only folder: token-id prompts only
             return AutoTokenizer.from_pretrained(str(src.path))
         cached = cache_dir() / "tokenizers" / _gguf_cache_key(src.gguf_path)
         if (cached / "tokenizer_config.json").is_file():

@@ -135,7 +135,8 @@ class ModelRunner:
                     lp.topk_token_ids[row, :k].tolist(), lp.topk_logprobs[row, :k].tolist())]
 
     def _prompt_logprobs(self, st: RequestState, hidden: torch.Tensor, start: int, result: ModelRunnerOutput) -> None:
-        """Logprobs of prompt tokens start+1 .. from the logits at positions start .. (chunk by chunk)."""
+        """Logprobs of prompt tokens start+1 .. from the logits at positions start .. of this chunk
+        (position 0, which nothing predicts, gets None)."""
         end = min(start + hidden.shape[0], st.num_prompt_tokens - 1)
         entries: list[TokenLogprobs | None] = [None] if start == 0 else []
         if end > start:
@@ -146,4 +147,4 @@ class ModelRunner:
             for j in range(end - start):
                 entries.append(TokenLogprobs(int(targets[j]), float(g.sampled_logprobs[j]), int(g.sampled_ranks[j]),
                                              g.topk_token_ids[j, :k].tolist(), g.topk_logprobs[j, :k].tolist()))
-        result.prompt_logprobs[st.req_id] = entries
+        result.prompt_logprobs[st.req_id] = (0 if start == 0 else start + 1, entries)

@@ -20,5 +20,6 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # parallel to sampled_token_ids
-    # per prompt position covered this step; None for the first prompt token (nothing predicts it)
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # (first prompt position covered this step, one entry per position); the entry of position 0
+    # is None (nothing predicts the first token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs | None]]] = field(default_factory=dict)
