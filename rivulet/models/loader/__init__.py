@@ -42,6 +42,8 @@ def load_model(cfg: ModelConfig, src: ModelSource, dtype: torch.dtype, device: t
         weights = ckpt.weights(dtype) if ckpt else hf_weights(src, dtype)
         try:
             loaded = model.load_weights(weights)  # type: ignore[operator]
+        except RivuletError:
+            raise
         except ValueError as e:
             raise RivuletError(f"cannot load weights from {src.path}: {e}") from None
         check_all_loaded(model, loaded)

@@ -1,0 +1,88 @@
+"""The command line: output on the default model, and one clear line (no traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from rivulet.entrypoints.cli import main
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "rivulet.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_generate_prints_the_greedy_continuation():
+    r = _run(["generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+              "--dtype", "float32", "--json"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["text"].startswith(" Paris") and len(out["token_ids"]) == 8
+    assert "Traceback" not in r.stderr
+
+
+def test_prompt_longer_than_the_context_is_one_line():
+    r = _run(["generate", "--prompt", "word " * 300, "--max-model-len", "128"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("rivulet: error: this model's maximum context length is 128")
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    capsys.readouterr()  # drop what fixtures printed
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_missing_model(capsys, tmp_path):
+    assert "model not found" in _error_line(capsys, ["generate", "--prompt", "hi", "--model", str(tmp_path / "nope")])
+    assert "neither a config.json nor a .gguf" in _error_line(capsys, ["generate", "--prompt", "hi", "--model",
+                                                                       str(tmp_path)])
+
+
+def test_missing_weights(capsys, tmp_path, tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    assert "no *.safetensors weights" in _error_line(capsys, ["generate", "--prompt", "hi", "--model", str(tmp_path)])
+
+
+def test_unknown_architecture(capsys, tmp_path, tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPTBigCodeForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    line = _error_line(capsys, ["generate", "--prompt", "hi", "--model", str(tmp_path)])
+    assert "unsupported architecture 'GPTBigCodeForCausalLM'" in line and "LlamaForCausalLM" in line
+
+
+def test_unsupported_gguf_type(capsys, tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, gguf.GGML_QUANT_SIZES[QT.IQ3_S][1]), np.uint8), raw_dtype=QT.IQ3_S)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    line = _error_line(capsys, ["generate", "--prompt", "hi", "--model", str(tmp_path / "m.gguf")])
+    assert "unsupported GGUF tensor type" in line and "IQ3_S" in line
+
+
+def test_text_prompt_for_a_model_without_tokenizer(capsys, tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    assert "no tokenizer" in _error_line(capsys, ["generate", "--prompt", "hi", "--model", str(path)])
+
+
+def test_no_prompt(capsys):
+    assert "no prompt given" in _error_line(capsys, ["generate"])
+
+
+@pytest.mark.parametrize("flag", [["--temperature", "-1"], ["--top-p", "0"], ["--dtype", "float16"]])
+def test_bad_sampling_or_dtype(capsys, flag):
+    line = _error_line(capsys, ["generate", "--prompt", "hi", *flag])
+    assert line.startswith("rivulet: error:")
