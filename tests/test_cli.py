@@ -86,3 +86,12 @@ def test_no_prompt(capsys):
 def test_bad_sampling_or_dtype(capsys, flag):
     line = _error_line(capsys, ["generate", "--prompt", "hi", *flag])
     assert line.startswith("rivulet: error:")
+
+
+def test_chat_streams_a_reply_and_exits_on_eof():
+    r = subprocess.run([sys.executable, "-m", "rivulet.entrypoints.cli", "chat", "--temperature", "0",
+                        "--max-tokens", "12"], input="What is the capital of France?\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "KV cache:" in r.stderr  # the cache size is reported at start-up

@@ -42,8 +42,8 @@ class EngineCore:
                                f"max_model_len {model_len}: give it more memory or lower max_model_len")
         self.executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, bs, num_blocks * bs,
-                    num_blocks * self.executor.kv_bytes_per_block() / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max_model_len %d", num_blocks, bs,
+                    num_blocks * bs, num_blocks * self.executor.kv_bytes_per_block() / 2**20, model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any
@@ -137,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     a = build_parser().parse_args(argv)
+    log = logging.getLogger("rivulet")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("rivulet: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         {"generate": cmd_generate, "chat": cmd_chat}[a.command](a)
     except RivuletError as e:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from rivulet.config import CacheConfig, ModelConfig, RivuletError
@@ -15,8 +13,6 @@ from rivulet.platforms import current_platform
 from rivulet.worker.batch import SeqChunk, build_flat_batch
 from rivulet.worker.input_batch import InputBatch, RequestState
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,8 +70,6 @@ class ModelRunner:
             cache = torch.zeros(2, num_blocks, bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
             a.kv_cache = cache
             self.kv_caches.append(cache)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, bs, num_blocks * bs,
-                    num_blocks * self.kv_bytes_per_block() / 2**20)
 
     # ---- one step ----
 
