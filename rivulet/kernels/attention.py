@@ -57,36 +57,88 @@ def paged_attention_ref(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the cached context of each sequence (GQA aware)."""
-    _, _, block_size, hk, d = kv_cache.shape
     out = torch.empty_like(query)
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_seqs):
+        out[qsl[i]:qsl[i + 1]] = _sequence_attention(query, kv_cache, meta, i, scale, sliding_window)
+    return out
+
+
+def _sequence_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention of sequence i's query tokens over its gathered context."""
+    _, _, block_size, hk, d = kv_cache.shape
+    q0, q1, seq_len = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], meta.seq_lens_cpu[i]
+    q_len = q1 - q0
+    blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+    k = kv_cache[0, blocks].reshape(-1, hk, d)[:seq_len]
+    v = kv_cache[1, blocks].reshape(-1, hk, d)[:seq_len]
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    o = F.scaled_dot_product_attention(
+        query[q0:q1].transpose(0, 1), k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query token per sequence (its last position), all sequences in one SDPA call over
+    their gathered pages padded to the longest; padding keys are masked out. query [S, Hq, D]."""
+    _, _, block_size, hk, d = kv_cache.shape
+    n = block_tables.shape[1]
+    k = kv_cache[0, block_tables].reshape(len(seq_lens), n * block_size, hk, d)
+    v = kv_cache[1, block_tables].reshape(len(seq_lens), n * block_size, hk, d)
+    k_pos = torch.arange(n * block_size)[None, :]
+    mask = k_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= k_pos > seq_lens[:, None] - 1 - sliding_window
+    o = F.scaled_dot_product_attention(
+        query[:, :, None, :], k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return o[:, :, 0, :]
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The CPU backend: every decode (one query token) of the batch in one batched call, prefill
+    chunks one sequence at a time as in the reference."""
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    for i, seq_len in enumerate(lens):
-        q0, q1 = qsl[i], qsl[i + 1]
-        q_len = q1 - q0
-        n_blocks = -(-seq_len // block_size)
-        blocks = meta.block_tables[i, :n_blocks]
-        k = kv_cache[0, blocks].reshape(-1, hk, d)[:seq_len]
-        v = kv_cache[1, blocks].reshape(-1, hk, d)[:seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= q_pos - k_pos < sliding_window
-        o = F.scaled_dot_product_attention(
-            query[q0:q1].transpose(0, 1),
-            k.transpose(0, 1).to(query.dtype),
-            v.transpose(0, 1).to(query.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[q0:q1] = o.transpose(0, 1)
+    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    if not decode:
+        return paged_attention_ref(query, kv_cache, meta, scale, sliding_window)
+    out = torch.empty_like(query)
+    block_size = kv_cache.shape[2]
+    rows = torch.tensor([qsl[i] for i in decode])
+    seq_lens = torch.tensor([lens[i] for i in decode])
+    n_blocks = -(-max(lens[i] for i in decode) // block_size)
+    tables = meta.block_tables[torch.tensor(decode), :n_blocks]
+    out[rows] = _decode_attention(query[rows], kv_cache, tables, seq_lens, scale, sliding_window)
+    prefill = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
+    for i in prefill:
+        out[qsl[i]:qsl[i + 1]] = _sequence_attention(query, kv_cache, meta, i, scale, sliding_window)
     return out
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]
 
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref}
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref, "cpu": paged_attention_cpu}
 
 
 def get_attention_backend(name: str) -> AttentionFn:

@@ -33,3 +33,6 @@ class CpuPlatform(Platform):
 
     def free_memory_bytes(self) -> int:
         return _meminfo_available()
+
+    def attention_backend(self) -> str:
+        return "cpu"
