@@ -10,8 +10,8 @@ ones of the context, so query token ``j`` of sequence ``i`` sits at position
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # values a backend derives from the fields above once per step and reuses in every layer
+    backend_cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -86,28 +88,28 @@ def _sequence_attention(
     return o.transpose(0, 1)
 
 
-def _decode_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """One query token per sequence (its last position), all sequences in one SDPA call over
-    their gathered pages padded to the longest; padding keys are masked out. query [S, Hq, D]."""
-    _, _, block_size, hk, d = kv_cache.shape
-    n = block_tables.shape[1]
-    k = kv_cache[0, block_tables].reshape(len(seq_lens), n * block_size, hk, d)
-    v = kv_cache[1, block_tables].reshape(len(seq_lens), n * block_size, hk, d)
-    k_pos = torch.arange(n * block_size)[None, :]
-    mask = k_pos < seq_lens[:, None]
-    if sliding_window is not None:
-        mask &= k_pos > seq_lens[:, None] - 1 - sliding_window
-    o = F.scaled_dot_product_attention(
-        query[:, :, None, :], k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    return o[:, :, 0, :]
+@dataclass
+class _DecodePlan:
+    """What every layer's CPU attention needs about the step's decode tokens, built once per step."""
+
+    rows: torch.Tensor  # [S] flat-batch row of each decode token
+    block_ids: torch.Tensor  # [S * n] the pages of each decode sequence, padded to n pages
+    mask: torch.Tensor  # [S, 1, 1, n * block_size] which keys each decode token may see
+    prefill: list[int]  # sequences with more than one query token
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> _DecodePlan:
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+        n = -(-max((lens[i] for i in decode), default=0) // block_size)
+        seq_lens = torch.tensor([lens[i] for i in decode])[:, None]
+        k_pos = torch.arange(n * block_size)[None, :]
+        mask = k_pos < seq_lens
+        if sliding_window is not None:
+            mask &= k_pos > seq_lens - 1 - sliding_window
+        tables = meta.block_tables[torch.tensor(decode, dtype=torch.long), :n].long().flatten()
+        prefill = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
+        return cls(torch.tensor([qsl[i] for i in decode]), tables, mask[:, None, None, :], prefill)
 
 
 def paged_attention_cpu(
@@ -117,21 +119,24 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """The CPU backend: every decode (one query token) of the batch in one batched call, prefill
-    chunks one sequence at a time as in the reference."""
-    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    if not decode:
-        return paged_attention_ref(query, kv_cache, meta, scale, sliding_window)
+    """The CPU backend: all decode tokens of the step in one SDPA call over their gathered pages
+    (padded to the longest, padding masked out); prefill chunks one sequence at a time."""
+    _, num_blocks, block_size, hk, d = kv_cache.shape
+    key = ("cpu_decode", sliding_window)
+    plan = meta.backend_cache.get(key)
+    if plan is None:
+        plan = meta.backend_cache[key] = _DecodePlan.build(meta, block_size, sliding_window)
     out = torch.empty_like(query)
-    block_size = kv_cache.shape[2]
-    rows = torch.tensor([qsl[i] for i in decode])
-    seq_lens = torch.tensor([lens[i] for i in decode])
-    n_blocks = -(-max(lens[i] for i in decode) // block_size)
-    tables = meta.block_tables[torch.tensor(decode), :n_blocks]
-    out[rows] = _decode_attention(query[rows], kv_cache, tables, seq_lens, scale, sliding_window)
-    prefill = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
-    for i in prefill:
+    s = len(plan.rows)
+    if s:
+        pages = kv_cache.view(2, num_blocks, -1)
+        k = torch.index_select(pages[0], 0, plan.block_ids).view(s, -1, hk, d).transpose(1, 2)
+        v = torch.index_select(pages[1], 0, plan.block_ids).view(s, -1, hk, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(query[plan.rows][:, :, None, :], k.to(query.dtype), v.to(query.dtype),
+                                           attn_mask=plan.mask, scale=scale, enable_gqa=True)
+        out[plan.rows] = o[:, :, 0, :]
+    qsl = meta.query_start_loc_cpu
+    for i in plan.prefill:
         out[qsl[i]:qsl[i + 1]] = _sequence_attention(query, kv_cache, meta, i, scale, sliding_window)
     return out
 
