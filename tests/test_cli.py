@@ -39,9 +39,11 @@ def test_prompt_longer_than_the_context_is_one_line():
 def _error_line(capsys, argv: list[str]) -> str:
     capsys.readouterr()  # drop what fixtures printed
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("rivulet: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == errors[0]  # the error is the last word
+    return errors[0]
 
 
 def test_missing_model(capsys, tmp_path):

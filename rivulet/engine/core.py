@@ -9,11 +9,21 @@ from rivulet.config import EngineConfig, RivuletError
 from rivulet.core import KVCacheManager, Request, Scheduler
 from rivulet.core.outputs import EngineCoreOutput
 from rivulet.core.request import RequestStatus
+from rivulet.engine.tokenizer import eos_token_ids
 from rivulet.executor import UniProcExecutor
 from rivulet.models.loader import ModelSource
 from rivulet.worker.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    """What the front end must know about the loaded model."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
 
 
 @dataclass
@@ -46,6 +56,13 @@ class EngineCore:
                     num_blocks * bs, num_blocks * self.executor.kv_bytes_per_block() / 2**20, model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        # the tokenizer lives with the front end; the config files give the end-of-sequence ids here
+        self.eos_token_ids = eos_token_ids(source, arch.eos_token_ids, None)
+        self.executor.set_eos_token_ids(self.eos_token_ids)
+
+    def model_info(self) -> ModelInfo:
+        arch = self.executor.arch_config
+        return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from rivulet.config import CacheConfig, EngineConfig, ModelConfig, RivuletError, SchedulerConfig
-from rivulet.engine.llm_engine import LLMEngine, PromptType
+from rivulet.engine.llm_engine import LLMEngine
+from rivulet.engine.processor import PromptType
 from rivulet.engine.outputs import RequestOutput
 from rivulet.sampling_params import SamplingParams
 

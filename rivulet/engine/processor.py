@@ -1,0 +1,162 @@
+"""Both ends of a request around the EngineCore, shared by the offline LLMEngine and AsyncLLM.
+
+Input: tokenize, validate, fan a request with ``n`` samples out into ``n`` core Requests (they
+share the prompt's KV blocks through the prefix cache). Output: incremental detokenization, stop
+strings, logprobs, and one RequestOutput per user request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rivulet.config import RivuletError
+from rivulet.core import Request
+from rivulet.engine.core import ModelInfo, StepOutput
+from rivulet.engine.detokenizer import IncrementalDetokenizer
+from rivulet.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from rivulet.sampling_params import SamplingParams
+from rivulet.worker.outputs import TokenLogprobs
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+@dataclass
+class _Sample:
+    parent: str
+    index: int
+    detok: IncrementalDetokenizer | None
+    output: CompletionOutput
+
+
+class RequestProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, info: ModelInfo) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = info.vocab_size
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = info.eos_token_ids
+        self.requests: dict[str, RequestOutput] = {}
+        self._samples: dict[str, _Sample] = {}  # core request id -> sample state
+
+    # ---- input ----
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a string, a token-id list, or {"prompt"/"prompt_token_ids": ...}."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise RivuletError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
+        if self.tokenizer is None:
+            raise RivuletError("this model has no tokenizer: give prompts as token ids")
+        return text, self.tokenizer(text).input_ids
+
+    def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      priority: int = 0) -> list[Request]:
+        """Validate and register a request; returns the core requests to queue (one per sample).
+        Raises RivuletError (a ValueError) on bad input, registering nothing."""
+        if request_id in self.requests:
+            raise RivuletError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate(ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        self.requests[request_id] = RequestOutput(request_id, text, ids, outputs,
+                                                  [None] * len(ids) if params.prompt_logprobs is not None else None)
+        core_requests = []
+        for i in range(params.n):
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            if i > 0 and p.prompt_logprobs is not None:
+                p = replace(p, prompt_logprobs=None)
+            detok = IncrementalDetokenizer.from_params(self.tokenizer, ids, p) if self.tokenizer else None
+            self._samples[cid] = _Sample(request_id, i, detok, outputs[i])
+            core_requests.append(Request(
+                cid, ids, max_tokens, () if p.ignore_eos else self.eos_token_ids, p.stop_token_ids or (),
+                p.min_tokens, priority, sampling_params=p, use_prefix_cache=p.prompt_logprobs is None))
+        return core_requests
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RivuletError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RivuletError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        params.validate_for_vocab(self.vocab_size)
+        want = len(ids) + (params.max_tokens or 1)
+        if len(ids) >= self.max_model_len or want > self.max_model_len:
+            raise RivuletError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request needs {want} "
+                f"({len(ids)} in the prompt, {params.max_tokens or 1} for the completion)")
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns the core request ids to abort."""
+        if self.requests.pop(request_id, None) is None:
+            return []
+        ids = [cid for cid, s in self._samples.items() if s.parent == request_id]
+        for cid in ids:
+            del self._samples[cid]
+        return ids
+
+    # ---- output ----
+
+    def process(self, step_outputs: list[StepOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Fold one step into the requests. Returns (requests that progressed, finished ones for the
+        last time; core ids whose stop string matched, which the core must now finish)."""
+        touched: dict[str, RequestOutput] = {}
+        stopped: list[str] = []
+        for so in step_outputs:
+            sample = self._samples.get(so.core.request_id)
+            if sample is None:
+                continue
+            req = self.requests[sample.parent]
+            if self._apply(sample, so, req):
+                stopped.append(so.core.request_id)
+            touched[sample.parent] = req
+        for rid, req in touched.items():
+            if req.finished:
+                del self.requests[rid]
+        return list(touched.values()), stopped
+
+    def _apply(self, sample: _Sample, so: StepOutput, req: RequestOutput) -> bool:
+        """Returns True when a stop string ended the sample (the core does not know yet)."""
+        o, c = sample.output, so.core
+        stopped = False
+        if so.prompt_logprobs and req.prompt_logprobs is not None:
+            start, entries = so.prompt_logprobs  # a recompute after preemption rewrites the same slots
+            req.prompt_logprobs[start:start + len(entries)] = [self._position(e) if e else None for e in entries]
+        req.num_cached_tokens = max(req.num_cached_tokens, c.num_cached_tokens)
+        if o.finished:
+            return False
+        o.token_ids.extend(c.new_token_ids)
+        if o.logprobs is not None:
+            for lp in so.logprobs:
+                o.logprobs.append(self._position(lp))
+                o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp.logprob
+        if sample.detok is not None:
+            text_ids = c.new_token_ids
+            if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
+                text_ids = text_ids[:-1]  # the eos / stop token itself is not text
+            sample.detok.update(text_ids)
+            if sample.detok.finished and not c.finish_reason:  # a stop string matched
+                stopped = True
+                c.finish_reason, c.stop_reason = "stop", sample.detok.stop_reason
+            elif sample.detok.finished:
+                c.stop_reason = sample.detok.stop_reason
+            if c.finish_reason:
+                sample.detok.flush()
+            o.text = sample.detok.output_text
+        if c.finish_reason:
+            o.finish_reason, o.stop_reason, o.error = c.finish_reason, c.stop_reason, c.error
+            del self._samples[c.request_id]
+        return stopped
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        dec = (lambda t: self.tokenizer.decode([t])) if self.tokenizer else (lambda t: None)
+        pos = {t: Logprob(v, i + 1, dec(t)) for i, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+        pos[lp.token_id] = Logprob(lp.logprob, lp.rank, dec(lp.token_id))
+        return pos
