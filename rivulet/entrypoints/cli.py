@@ -138,12 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     a = build_parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("rivulet: %(message)s"))
     log = logging.getLogger("rivulet")
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("rivulet: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    log.handlers = [handler]
+    log.setLevel(logging.INFO)
     try:
         {"generate": cmd_generate, "chat": cmd_chat}[a.command](a)
     except RivuletError as e:
