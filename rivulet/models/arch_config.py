@@ -61,6 +61,13 @@ class ArchConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
+        try:
+            return cls._from_hf(cfg)
+        except KeyError as e:
+            raise RivuletError(f"the model config lacks the field {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise RivuletError("config.json has no 'architectures' entry")

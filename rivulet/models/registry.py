@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from rivulet.config import RivuletError
-from rivulet.models.arch_config import ArchConfig
 from rivulet.models.llama import LlamaForCausalLM
 from rivulet.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -19,10 +18,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(cfg: ArchConfig) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[nn.Module]:
     try:
-        return MODEL_REGISTRY[cfg.architecture]
+        return MODEL_REGISTRY[architecture]
     except KeyError:
         raise RivuletError(
-            f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         ) from None

@@ -27,8 +27,9 @@ def load_arch_config(src: ModelSource) -> tuple[ArchConfig, dict[str, Any]]:
 def load_model(cfg: ModelConfig, src: ModelSource, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ArchConfig]:
     """Instantiate the architecture's class and fill its weights; returns (model in eval mode, config)."""
     ckpt = GGUFCheckpoint(src) if src.is_gguf else None
-    arch = ArchConfig.from_hf(ckpt.hf_config if ckpt else hf_config(src))
-    cls = get_model_class(arch)
+    raw = ckpt.hf_config if ckpt else hf_config(src)
+    cls = get_model_class((raw.get("architectures") or ["(none)"])[0])
+    arch = ArchConfig.from_hf(raw)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -1,0 +1,199 @@
+"""AsyncLLM: the online engine. Requests come in as async calls, each gets an async stream of
+outputs; the EngineCore runs in its own process, reached through ZeroMQ.
+
+    engine = await AsyncLLM.start(config)
+    async for out in engine.generate(prompt, params, request_id):  # cumulative RequestOutput snapshots
+        ...
+
+Tokenization, detokenization and stop strings happen here, in the caller's process. If the engine
+process dies, every stream fails with EngineDeadError at once and `is_healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from rivulet.config import EngineConfig, RivuletError
+from rivulet.engine.core import ModelInfo
+from rivulet.engine.core_proc import config_to_json
+from rivulet.engine.messages import decode_info, decode_outputs, encode_request, pack, unpack
+from rivulet.engine.outputs import RequestOutput
+from rivulet.engine.processor import PromptType, RequestProcessor
+from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
+from rivulet.models.loader import resolve_model
+from rivulet.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has exited; no request can complete."""
+
+
+class AsyncLLM:
+    def __init__(self) -> None:  # use `await AsyncLLM.start(config)`
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._stats_waiters: list[asyncio.Future[dict]] = []
+        self._dead: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def start(cls, config: EngineConfig, startup_timeout: float = 600.0) -> AsyncLLM:
+        """Spawn the engine process and wait until its model is loaded (RivuletError if that fails)."""
+        self = cls()
+        source = resolve_model(config.model.model)
+        self._dir = tempfile.mkdtemp(prefix="rivulet-")
+        self._ctx = zmq.asyncio.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.bind(f"ipc://{self._dir}/in")
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.bind(f"ipc://{self._dir}/out")
+        self._proc = subprocess.Popen([sys.executable, "-m", "rivulet.engine.core_proc", f"ipc://{self._dir}/in",
+                                       f"ipc://{self._dir}/out"], stdin=subprocess.PIPE, text=True)
+        self._proc.stdin.write(config_to_json(config))  # type: ignore[union-attr]
+        self._proc.stdin.close()  # type: ignore[union-attr]
+        tokenizer_task = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, source, config.model.tokenizer)
+        try:
+            info = await self._wait_ready(startup_timeout)
+            self.tokenizer = await tokenizer_task
+        except BaseException:
+            await self.shutdown()
+            raise
+        info.eos_token_ids |= eos_token_ids(source, [], self.tokenizer)
+        self.model_info: ModelInfo = info
+        self.processor = RequestProcessor(self.tokenizer, info)
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_process())]
+        return self
+
+    async def _wait_ready(self, timeout: float) -> ModelInfo:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            if await self._from_core.poll(200):
+                kind, payload = unpack(await self._from_core.recv())
+                if kind == "ready":
+                    return decode_info(payload)
+                if kind == "failed":
+                    raise RivuletError(str(payload).strip())
+            if self._proc.poll() is not None:
+                raise RivuletError(f"the engine process exited during start-up (exit code {self._proc.returncode})")
+        raise RivuletError(f"the engine did not start within {timeout:.0f} s")
+
+    # ---- state ----
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.processor.requests)
+
+    # ---- requests ----
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Cumulative snapshots of the request's output; the last has `finished` True."""
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        core_requests = self.processor.make_requests(request_id, prompt, params, priority)  # RivuletError
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            for r in core_requests:
+                await self._to_core.send(pack("add", encode_request(r)))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await self._abort_quietly(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._abort_quietly(request_id)
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        ids = self.processor.abort(request_id)
+        if ids and not self._dead:
+            await self._to_core.send(pack("abort", ids))
+
+    async def get_stats(self) -> dict:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        await self._to_core.send(pack("stats"))
+        return await asyncio.wait_for(fut, 10)
+
+    # ---- background tasks ----
+
+    async def _output_loop(self) -> None:
+        while True:
+            kind, payload = unpack(await self._from_core.recv())
+            if kind == "outputs":
+                outputs, stopped = self.processor.process(decode_outputs(payload))
+                if stopped:
+                    await self._to_core.send(pack("stop", stopped))
+                for out in outputs:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif kind == "stats" and self._stats_waiters:
+                self._stats_waiters.pop(0).set_result(payload)
+
+    async def _watch_process(self) -> None:
+        while self._proc.poll() is None:
+            await asyncio.sleep(0.1)
+        self._fail(f"the engine process exited unexpectedly (exit code {self._proc.returncode})")
+
+    def _fail(self, reason: str) -> None:
+        self._dead = reason
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(reason))
+        for fut in self._stats_waiters:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        self._stats_waiters.clear()
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._proc.poll() is None:
+            try:
+                await asyncio.wait_for(self._to_core.send(pack("shutdown")), 1)
+                await asyncio.get_running_loop().run_in_executor(None, self._proc.wait, 5)
+            except (asyncio.TimeoutError, zmq.ZMQError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._dead = self._dead or "the engine was shut down"
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._ctx.term()
+        for name in ("in", "out"):
+            try:
+                os.unlink(f"{self._dir}/{name}")
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass

@@ -1,0 +1,92 @@
+"""The EngineCore process: receives requests over ZeroMQ, steps the engine, sends outputs back.
+
+It blocks on its input socket while idle and drains it between steps while busy, so requests
+arriving during a step join the next one. It exits when told to, or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import traceback
+
+import zmq
+
+from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rivulet.core.request import RequestStatus
+from rivulet.engine.core import EngineCore
+from rivulet.engine.messages import decode_request, encode_info, encode_outputs, pack, unpack
+from rivulet.models.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def config_to_json(config: EngineConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def config_from_json(text: str) -> EngineConfig:
+    d = json.loads(text)
+    return EngineConfig(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
+                        ParallelConfig(**d["parallel"]))
+
+
+def main() -> None:
+    """`python -m rivulet.engine.core_proc INPUT_ADDR OUTPUT_ADDR` with the EngineConfig as JSON on stdin."""
+    logging.basicConfig(level=logging.INFO, format="rivulet engine: %(message)s")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    run_engine_core(config_from_json(sys.stdin.read()), sys.argv[1], sys.argv[2])
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """The engine process's loop."""
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_addr)
+    try:
+        core = EngineCore(config, resolve_model(config.model.model))
+    except Exception as e:  # report the load failure as a message, not a silent death
+        outbox.send(pack("failed", str(e) if isinstance(e, ValueError) else traceback.format_exc()))
+        outbox.close(linger=2000)
+        return
+    outbox.send(pack("ready", encode_info(core.model_info())))
+    try:
+        while True:
+            timeout = 0 if core.has_unfinished_requests() else 500
+            while inbox.poll(timeout):
+                kind, payload = unpack(inbox.recv())
+                if kind == "add":
+                    try:
+                        core.add_request(decode_request(payload))
+                    except ValueError as e:  # the front end validates first; this is a last guard
+                        outbox.send(pack("outputs", [[payload["id"], [], "error", None, 0, str(e), [], None]]))
+                elif kind == "abort":
+                    core.abort_requests(payload)
+                elif kind == "stop":
+                    core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+                elif kind == "stats":
+                    stats = dataclasses.asdict(core.scheduler.get_stats()) | {"num_blocks": core.num_blocks}
+                    outbox.send(pack("stats", stats))
+                elif kind == "shutdown":
+                    return
+                timeout = 0
+            if core.has_unfinished_requests():
+                outs = core.step()
+                if outs:
+                    outbox.send(pack("outputs", encode_outputs(outs)))
+            elif os.getppid() != parent:
+                return  # orphaned: the front end is gone
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    main()

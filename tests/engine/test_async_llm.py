@@ -1,0 +1,93 @@
+"""AsyncLLM with the EngineCore in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from rivulet import LLM, RivuletError, SamplingParams
+from rivulet.config import EngineConfig, ModelConfig
+from rivulet.engine.async_llm import AsyncLLM, EngineDeadError
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Three fruits are", "Rivers flow into"]
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _collect(engine: AsyncLLM, prompt, params, rid):
+    last = None
+    async for out in engine.generate(prompt, params, rid):
+        last = out
+    return last
+
+
+def test_concurrent_streams_equal_offline_greedy():
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(PROMPTS, greedy, use_tqdm=False)]
+
+    async def main():
+        engine = await AsyncLLM.start(EngineConfig(model=ModelConfig(dtype="float32")))
+        try:
+            outs = await asyncio.gather(*[_collect(engine, p, greedy, f"r{i}") for i, p in enumerate(PROMPTS)])
+            stats = await engine.get_stats()
+            return outs, stats, engine.num_unfinished_requests
+        finally:
+            await engine.shutdown()
+
+    outs, stats, unfinished = _run(main())
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert stats["kv_cache_usage"] == 0 and stats["num_running"] == 0 and unfinished == 0
+
+
+def test_abort_on_close_errors_and_engine_death():
+    async def main():
+        engine = await AsyncLLM.start(EngineConfig(model=ModelConfig(dtype="float32")))
+        try:
+            # closing a stream early aborts the request and frees its blocks
+            gen = engine.generate(PROMPTS[0], SamplingParams(max_tokens=300, ignore_eos=True), "long")
+            async for out in gen:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            assert (await engine.get_stats())["kv_cache_usage"] > 0
+            await gen.aclose()
+            await asyncio.sleep(0.3)
+            stats = await engine.get_stats()
+            assert stats["kv_cache_usage"] == 0 and stats["num_running"] == 0
+            # invalid input fails before the first output, engine unharmed
+            with pytest.raises(RivuletError, match="maximum context length"):
+                await _collect(engine, "word " * 9000, SamplingParams(), "too-long")
+            ok = await _collect(engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=3), "ok")
+            assert ok.finished
+            # killing the engine process fails in-flight streams within seconds
+            gen = engine.generate(PROMPTS[2], SamplingParams(max_tokens=500, ignore_eos=True), "doomed")
+            t0 = None
+            with pytest.raises(EngineDeadError):
+                async for out in gen:
+                    if t0 is None and out.outputs[0].token_ids:
+                        t0 = time.monotonic()
+                        os.kill(engine.engine_pid, signal.SIGKILL)
+            assert time.monotonic() - t0 < 5
+            assert not engine.is_healthy
+            with pytest.raises(EngineDeadError):
+                await _collect(engine, PROMPTS[0], SamplingParams(), "after")
+        finally:
+            await engine.shutdown()
+
+    _run(main())
+
+
+def test_start_failure_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NopeForCausalLM"], "vocab_size": 8}')
+
+    async def main():
+        await AsyncLLM.start(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+
+    with pytest.raises(RivuletError, match="unsupported architecture 'NopeForCausalLM'"):
+        _run(main())
