@@ -5,6 +5,8 @@ This module is pure Python (no torch import) so that ``rivulet.core`` can use it
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -64,3 +66,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_json(self) -> str:
+        """The whole configuration as JSON, to hand it to another process."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        d = json.loads(text)
+        return cls(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
+                   ParallelConfig(**d["parallel"]))

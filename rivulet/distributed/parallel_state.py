@@ -23,6 +23,18 @@ class ParallelState:
 _STATE = ParallelState()
 
 
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
+                     timeout_s: float = 120.0) -> ParallelState:
+    """Join the process group (all ranks form one tensor-parallel group) and record this rank's place."""
+    import datetime
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    state = ParallelState(tp_rank=rank, tp_size=world_size, tp_group=dist.group.WORLD)
+    set_parallel_state(state)
+    return state
+
+
 def set_parallel_state(state: ParallelState) -> None:
     global _STATE
     _STATE = state
@@ -40,18 +52,20 @@ def get_tp_size() -> int:
     return _STATE.tp_size
 
 
-def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group (in place when there is more than one rank)."""
-    if _STATE.tp_size == 1:
+def tensor_parallel_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Sum `x` over the tensor-parallel group (in place when there is more than one rank).
+
+    Layers pass the state they were built with, so engines of different sizes can share a process."""
+    if state.tp_size == 1:
         return x
-    dist.all_reduce(x, group=_STATE.tp_group)
+    dist.all_reduce(x, group=state.tp_group)
     return x
 
 
-def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def tensor_parallel_all_gather(x: torch.Tensor, state: ParallelState, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's `x` along `dim`, in rank order."""
-    if _STATE.tp_size == 1:
+    if state.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_STATE.tp_group)
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=state.tp_group)
     return torch.cat(parts, dim=dim)

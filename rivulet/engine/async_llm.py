@@ -23,7 +23,6 @@ import zmq.asyncio
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.engine.core import ModelInfo
-from rivulet.engine.core_proc import config_to_json
 from rivulet.engine.messages import decode_info, decode_outputs, encode_request, pack, unpack
 from rivulet.engine.outputs import RequestOutput
 from rivulet.engine.processor import PromptType, RequestProcessor
@@ -56,7 +55,7 @@ class AsyncLLM:
         self._from_core.bind(f"ipc://{self._dir}/out")
         self._proc = subprocess.Popen([sys.executable, "-m", "rivulet.engine.core_proc", f"ipc://{self._dir}/in",
                                        f"ipc://{self._dir}/out"], stdin=subprocess.PIPE, text=True)
-        self._proc.stdin.write(config_to_json(config))  # type: ignore[union-attr]
+        self._proc.stdin.write(config.to_json())  # type: ignore[union-attr]
         self._proc.stdin.close()  # type: ignore[union-attr]
         tokenizer_task = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, source, config.model.tokenizer)
         try:

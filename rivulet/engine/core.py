@@ -10,7 +10,7 @@ from rivulet.core import KVCacheManager, Request, Scheduler
 from rivulet.core.outputs import EngineCoreOutput
 from rivulet.core.request import RequestStatus
 from rivulet.engine.tokenizer import eos_token_ids
-from rivulet.executor import UniProcExecutor
+from rivulet.executor import make_executor
 from rivulet.models.loader import ModelSource
 from rivulet.worker.outputs import TokenLogprobs
 
@@ -38,7 +38,14 @@ class StepOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config, source)
+        self.executor = make_executor(config, source)
+        try:
+            self._setup(config, source)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _setup(self, config: EngineConfig, source: ModelSource) -> None:
         arch = self.executor.arch_config
         model_len = config.model.max_model_len or arch.max_position_embeddings
         if model_len > arch.max_position_embeddings:
@@ -63,6 +70,9 @@ class EngineCore:
     def model_info(self) -> ModelInfo:
         arch = self.executor.arch_config
         return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -7,7 +7,6 @@ arriving during a step join the next one. It exits when told to, or when its par
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -15,7 +14,7 @@ import traceback
 
 import zmq
 
-from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rivulet.config import EngineConfig
 from rivulet.core.request import RequestStatus
 from rivulet.engine.core import EngineCore
 from rivulet.engine.messages import decode_request, encode_info, encode_outputs, pack, unpack
@@ -24,21 +23,11 @@ from rivulet.models.loader import resolve_model
 logger = logging.getLogger(__name__)
 
 
-def config_to_json(config: EngineConfig) -> str:
-    return json.dumps(dataclasses.asdict(config))
-
-
-def config_from_json(text: str) -> EngineConfig:
-    d = json.loads(text)
-    return EngineConfig(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
-                        ParallelConfig(**d["parallel"]))
-
-
 def main() -> None:
     """`python -m rivulet.engine.core_proc INPUT_ADDR OUTPUT_ADDR` with the EngineConfig as JSON on stdin."""
     logging.basicConfig(level=logging.INFO, format="rivulet engine: %(message)s")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    run_engine_core(config_from_json(sys.stdin.read()), sys.argv[1], sys.argv[2])
+    run_engine_core(EngineConfig.from_json(sys.stdin.read()), sys.argv[1], sys.argv[2])
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -74,6 +63,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                     stats = dataclasses.asdict(core.scheduler.get_stats()) | {"num_blocks": core.num_blocks}
                     outbox.send(pack("stats", stats))
                 elif kind == "shutdown":
+                    core.shutdown()
                     return
                 timeout = 0
             if core.has_unfinished_requests():

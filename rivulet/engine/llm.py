@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from rivulet.config import CacheConfig, EngineConfig, ModelConfig, RivuletError, SchedulerConfig
+from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig
 from rivulet.engine.llm_engine import LLMEngine
 from rivulet.engine.processor import PromptType
 from rivulet.engine.outputs import RequestOutput
@@ -31,6 +31,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,  # type: ignore[arg-type]
@@ -38,8 +39,13 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         self.engine = LLMEngine(self.config)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also stop when this process exits)."""
+        self.engine.core.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

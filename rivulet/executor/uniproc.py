@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rivulet.config import EngineConfig
+from rivulet.distributed import ParallelState, set_parallel_state
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource
@@ -12,6 +13,7 @@ from rivulet.worker.outputs import ModelRunnerOutput
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        set_parallel_state(ParallelState())  # one rank, whatever another engine in this process uses
         self.runner = ModelRunner(config.model, config.cache, source)
 
     @property
@@ -19,7 +21,7 @@ class UniProcExecutor:
         return self.runner.arch
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
-        self.runner.eos_token_ids = set(ids)
+        self.runner.set_eos_token_ids(ids)
 
     def determine_num_blocks(self) -> int:
         return self.runner.num_blocks_for_budget()
@@ -32,3 +34,6 @@ class UniProcExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
+
+    def shutdown(self) -> None:
+        pass

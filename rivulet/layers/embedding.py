@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rivulet.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from rivulet.distributed import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
 from rivulet.layers.linear import default_weight_loader
 
 
@@ -16,7 +16,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.parallel = get_parallel_state()
+        self.tp_rank, self.tp_size = self.parallel.tp_rank, self.parallel.tp_size
         self.num_embeddings = num_embeddings
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
@@ -35,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = torch.where(outside, 0, input_ids - self.vocab_start)
         y = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
-        return tensor_parallel_all_reduce(y)
+        return tensor_parallel_all_reduce(y, self.parallel)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -47,5 +48,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, vocab] in float32."""
         logits = F.linear(hidden, self.weight)
-        logits = tensor_parallel_all_gather(logits)
+        logits = tensor_parallel_all_gather(logits, self.parallel)
         return logits[:, : self.num_embeddings].float()

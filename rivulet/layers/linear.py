@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rivulet.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from rivulet.distributed import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
 
 
 def _divide(a: int, b: int) -> int:
@@ -52,7 +52,8 @@ class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows; each rank produces its slice of y."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False) -> None:
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.parallel = get_parallel_state()
+        self.tp_rank, self.tp_size = self.parallel.tp_rank, self.parallel.tp_size
         self.gather_output = gather_output
         super().__init__(input_size, _divide(output_size, self.tp_size), bias)
 
@@ -62,7 +63,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        return tensor_parallel_all_gather(y) if self.gather_output else y
+        return tensor_parallel_all_gather(y, self.parallel) if self.gather_output else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -88,7 +89,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicated when there are more ranks than key/value heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
-        tp = get_tp_size()
+        tp = get_parallel_state().tp_size
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp)
         if tp >= num_kv_heads:
@@ -120,7 +121,8 @@ class RowParallelLinear(LinearBase):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.parallel = get_parallel_state()
+        self.tp_rank, self.tp_size = self.parallel.tp_rank, self.parallel.tp_size
         self.reduce_results = reduce_results
         super().__init__(_divide(input_size, self.tp_size), output_size, bias)
 
@@ -134,5 +136,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.reduce_results:
-            y = tensor_parallel_all_reduce(y)
+            y = tensor_parallel_all_reduce(y, self.parallel)
         return y + self.bias if self.bias is not None else y

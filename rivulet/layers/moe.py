@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rivulet.distributed import get_tp_rank, get_tp_size, tensor_parallel_all_reduce
-from rivulet.kernels import fused_moe_ref, topk_routing_ref
+from rivulet.distributed import get_parallel_state, tensor_parallel_all_reduce
+from rivulet.kernels.ops import get_op
 
 
 class FusedMoE(nn.Module):
@@ -17,13 +17,15 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool) -> None:
         super().__init__()
-        self.tp_rank, tp = get_tp_rank(), get_tp_size()
+        self.parallel = get_parallel_state()
+        self.tp_rank, tp = self.parallel.tp_rank, self.parallel.tp_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.inter = intermediate_size // tp
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self._topk_routing, self._fused_moe = get_op("topk_routing"), get_op("fused_moe")
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str, expert_id: int | None = None) -> None:
         """Load one expert's `w1` (gate), `w3` (up) or `w2` (down), or all experts at once
@@ -46,5 +48,6 @@ class FusedMoE(nn.Module):
             dst.copy_(loaded.narrow(1, r * n, n))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = topk_routing_ref(router_logits, self.top_k, self.renormalize)
-        return tensor_parallel_all_reduce(fused_moe_ref(x, self.w13_weight, self.w2_weight, weights, ids))
+        weights, ids = self._topk_routing(router_logits, self.top_k, self.renormalize)
+        y = self._fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        return tensor_parallel_all_reduce(y, self.parallel)

@@ -44,6 +44,9 @@ class ModelRunner:
         self.batch = InputBatch(self.device)
         self.eos_token_ids: set[int] = set(self.arch.eos_token_ids)  # the engine may add more
 
+    def set_eos_token_ids(self, ids: set[int]) -> None:
+        self.eos_token_ids = set(ids)
+
     # ---- KV cache ----
 
     def kv_bytes_per_block(self) -> int:

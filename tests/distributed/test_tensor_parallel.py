@@ -1,0 +1,51 @@
+"""Tensor parallelism over gloo on CPU: every split gives exactly the single-rank greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from rivulet import LLM, RivuletError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind,tp", [
+    ("llama", 2),              # 4 heads, 2 KV heads: one KV head per rank
+    ("llama3-rope-tied", 2),   # 1 KV head: replicated on both ranks; tied embeddings split by vocab
+    ("qwen3-moe", 2),          # experts' intermediate dimension split, q/k norm
+])
+def test_tiny_models_tp_equals_single_rank(kind, tp, tiny_model_dir):
+    path, _ = tiny_model_dir(kind)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    want = _tokens(LLM(str(path), dtype="float32", max_model_len=128), prompts)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=tp)
+    try:
+        assert _tokens(llm, prompts) == want
+    finally:
+        llm.shutdown()
+
+
+def test_default_model_tp3_and_clear_error_for_tp2():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    want = _tokens(LLM(dtype="float32", max_model_len=256), prompts)
+    llm = LLM(dtype="float32", max_model_len=256, tensor_parallel_size=3)
+    try:
+        assert _tokens(llm, prompts) == want
+        # a dead worker is reported, not waited for
+        os.kill(llm.engine.core.executor.procs[0].pid, signal.SIGKILL)
+        llm.engine.core.executor.procs[0].wait()
+        with pytest.raises((RivuletError, RuntimeError), match="exited|closed|Connection"):
+            llm.generate(prompts[0], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with pytest.raises(RivuletError, match="does not divide the model's 9 attention heads; choose one of: 1, 3, 9"):
+        LLM(dtype="float32", tensor_parallel_size=2)
