@@ -97,3 +97,13 @@ def test_chat_streams_a_reply_and_exits_on_eof():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "KV cache:" in r.stderr  # the cache size is reported at start-up
+
+
+def test_generate_from_a_jsonl_file(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('"The capital of France is"\n{"prompt": "def add(a, b):"}\n\n')
+    r = _run(["generate", "--prompts-file", str(f), "--max-tokens", "6", "--temperature", "0", "--json"])
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [row["prompt"] for row in rows] == ["The capital of France is", "def add(a, b):"]
+    assert all(len(row["token_ids"]) <= 6 and row["finish_reason"] in ("length", "stop") for row in rows)
