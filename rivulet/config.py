@@ -32,6 +32,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     load_format: LoadFormat = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # CUDA only: never replay CUDA graphs for decode steps
 
 
 @dataclass

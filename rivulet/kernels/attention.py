@@ -10,6 +10,7 @@ ones of the context, so query token ``j`` of sequence ``i`` sits at position
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -77,8 +78,8 @@ def _sequence_attention(
     blocks = meta.block_tables[i, : -(-seq_len // block_size)]
     k = kv_cache[0, blocks].reshape(-1, hk, d)[:seq_len]
     v = kv_cache[1, blocks].reshape(-1, hk, d)[:seq_len]
-    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    k_pos = torch.arange(seq_len)[None, :]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+    k_pos = torch.arange(seq_len, device=query.device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
@@ -145,9 +146,16 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "i
 
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref, "cpu": paged_attention_cpu}
 
+# backends imported on first use, so that importing Rivulet never requires Triton
+_LAZY_BACKENDS: dict[str, tuple[str, str]] = {"triton": ("rivulet.kernels.triton.attention", "paged_attention")}
+
 
 def get_attention_backend(name: str) -> AttentionFn:
+    if name not in ATTENTION_BACKENDS and name in _LAZY_BACKENDS:
+        module, fn = _LAZY_BACKENDS[name]
+        ATTENTION_BACKENDS[name] = getattr(importlib.import_module(module), fn)
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}") from None
+        known = sorted(set(ATTENTION_BACKENDS) | set(_LAZY_BACKENDS))
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}") from None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rivulet.kernels import AttentionMetadata, get_attention_backend, write_kv_cache_ref
+from rivulet.kernels import AttentionMetadata, get_attention_backend
+from rivulet.kernels.ops import get_op
 from rivulet.platforms import current_platform
 
 
@@ -19,6 +20,7 @@ class Attention(nn.Module):
         self.scale, self.sliding_window = scale, sliding_window
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.backend = get_attention_backend(current_platform().attention_backend())
+        self._write_kv_cache = get_op("write_kv_cache")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq*D], k and v [T, Hk*D] -> [T, Hq*D]."""
@@ -26,6 +28,6 @@ class Attention(nn.Module):
             raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
-        write_kv_cache_ref(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
+        self._write_kv_cache(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
                            self.kv_cache, meta.slot_mapping)
         return self.backend(q, self.kv_cache, meta, self.scale, self.sliding_window).reshape(t, -1)

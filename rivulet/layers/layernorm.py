@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rivulet.kernels import fused_add_rms_norm_ref, rms_norm_ref
+from rivulet.kernels.ops import get_op
 
 
 class RMSNorm(nn.Module):
@@ -13,11 +13,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self._rms_norm, self._fused_add_rms_norm = get_op("rms_norm"), get_op("fused_add_rms_norm")
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+            return self._rms_norm(x, self.weight, self.eps)
+        return self._fused_add_rms_norm(x, residual, self.weight, self.eps)

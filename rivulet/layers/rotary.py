@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rivulet.kernels import apply_rotary_ref, rope_cos_sin_cache
+from rivulet.kernels import rope_cos_sin_cache
+from rivulet.kernels.ops import get_op
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -36,6 +37,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.interleaved = interleaved
+        self._apply_rotary = get_op("apply_rotary")
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind == "llama3":
@@ -47,4 +49,4 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_position), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_ref(positions, q, k, self.cos_sin_cache, self.interleaved)
+        return self._apply_rotary(positions, q, k, self.cos_sin_cache, self.interleaved)

@@ -1,6 +1,8 @@
-"""The CUDA platform (NVIDIA GPUs)."""
+"""The CUDA platform (NVIDIA GPUs): Triton kernels when Triton is installed, else the references."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -20,6 +22,16 @@ class CudaPlatform(Platform):
     def free_memory_bytes(self) -> int:
         free, _total = torch.cuda.mem_get_info()
         return int(free)
+
+    @staticmethod
+    def has_triton() -> bool:
+        return importlib.util.find_spec("triton") is not None
+
+    def attention_backend(self) -> str:
+        return "triton" if self.has_triton() else "torch"
+
+    def kernel_backend(self) -> str:
+        return "triton" if self.has_triton() else "torch"
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -32,5 +32,9 @@ class Platform:
         """Name of the paged-attention implementation in `rivulet.kernels.attention`."""
         return "torch"
 
+    def kernel_backend(self) -> str:
+        """Which implementations `rivulet.kernels.ops.get_op` hands out ("torch": the references)."""
+        return "torch"
+
     def synchronize(self) -> None:
         pass

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from rivulet.config import CacheConfig, ModelConfig, RivuletError
 from rivulet.core.outputs import SchedulerOutput
+from rivulet.distributed import get_tp_size
 from rivulet.layers.attention import Attention
 from rivulet.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from rivulet.models.loader import ModelSource, load_model
 from rivulet.platforms import current_platform
-from rivulet.worker.batch import SeqChunk, build_flat_batch
+from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
+from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
 from rivulet.worker.input_batch import InputBatch, RequestState
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +49,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.batch = InputBatch(self.device)
         self.eos_token_ids: set[int] = set(self.arch.eos_token_ids)  # the engine may add more
+        self.max_model_len = model_config.max_model_len or self.arch.max_position_embeddings
+        # graphs need kernels that skip padding slots and never sync (the Triton ones), and one rank
+        self.use_cuda_graphs = (self.platform.name == "cuda" and not model_config.enforce_eager
+                                and self.platform.kernel_backend() == self.platform.attention_backend() == "triton"
+                                and get_tp_size() == 1)
+        self.cuda_graphs: DecodeGraphs | None = None
+        self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
         self.eos_token_ids = set(ids)
@@ -73,6 +86,32 @@ class ModelRunner:
             cache = torch.zeros(2, num_blocks, bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
             a.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.use_cuda_graphs:
+            self._capture_cuda_graphs()
+
+    # ---- CUDA graphs (CUDA only; everything else runs the model eagerly) ----
+
+    def _capture_cuda_graphs(self) -> None:
+        """Capture decode steps of every bucket size over the cache just allocated; on failure
+        log it and run eagerly (slower, same results)."""
+        max_blocks = -(-self.max_model_len // self.cache_config.block_size)
+        graphs = DecodeGraphs(DEFAULT_BUCKETS, max_blocks, self.device)
+        try:
+            with torch.inference_mode():
+                graphs.capture(self.model)
+        except Exception as e:  # noqa: BLE001 - eager mode still works
+            self.cuda_graphs, self.cuda_graph_error = None, f"{type(e).__name__}: {e}"
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", self.cuda_graph_error)
+            return
+        self.cuda_graphs = graphs
+
+    def _run_model(self, batch: FlatBatch) -> torch.Tensor:
+        """Hidden states of the flat batch: a CUDA-graph replay for decode steps that fit one."""
+        if self.cuda_graphs is not None:
+            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return hidden
+        return self.model(batch.input_ids, batch.positions, batch.meta)
 
     # ---- one step ----
 
@@ -81,7 +120,7 @@ class ModelRunner:
         """Run a hand-made flat batch; float32 logits of each chunk's last token [num_seqs, vocab]
         (or of every token [T, vocab] with `all_logits`)."""
         batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._run_model(batch)
         if not all_logits:
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)
@@ -106,7 +145,7 @@ class ModelRunner:
                 prompt_rows.append((st, offset, start, n))
             offset += n
         batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._run_model(batch)
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in rows], device=self.device)])
             self._sample([st for st, _ in rows], logits, result)

@@ -1,0 +1,249 @@
+"""Section "model" of the GPU check: a Llama-3-8B-shaped bf16 model on Rivulet and transformers.
+
+One config.json (no weights) in a temporary folder. Rivulet builds it with `load_format="dummy"`
+through `LLM`; transformers builds `LlamaForCausalLM` from the same config with its own random
+initialisation on the GPU, and those weights are copied into Rivulet's model, so both systems
+run the same weights. Then, each step guarded on its own:
+
+- logits of one prompt, Rivulet vs transformers (the port is right at full size);
+- batch-1 decode through the model runner, eager vs CUDA graphs (same greedy tokens?), tok/s
+  against the bandwidth bound (bytes read per token / measured copy bandwidth, in the report);
+- batch-1 `LLM.generate`, eager vs graphs; offline throughput N x in/out; transformers' `generate`
+  on the same prompts; a long run (e.g. 1000/1000) when the time budget allows.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common import Deadline, PartWriter, error_text, free_memory, sync
+
+LLAMA3_8B: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=128000, eos_token_id=128001)
+
+TINY_LLAMA: dict[str, Any] = dict(
+    LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+
+
+def _step(out: PartWriter, name: str, deadline: Deadline, need_s: float, fn: Callable[[], dict[str, Any]]) -> bool:
+    """Run one guarded step; its dict (or its error) goes to the results under `name`."""
+    if not deadline.fits(need_s):
+        reason = f"time budget: {deadline.left():.0f}s left, needs ~{need_s:.0f}s"
+        out.set(name, {"status": "skipped", "reason": reason})
+        return False
+    t0 = time.time()
+    try:
+        result = fn()
+        out.set(name, {"status": "ok", "elapsed_s": round(time.time() - t0, 2), **result})
+        return True
+    except Exception as e:  # noqa: BLE001 - one failing step must not lose the others
+        out.set(name, {"status": "error", "elapsed_s": round(time.time() - t0, 2), "error": error_text(e)})
+        return False
+
+
+def build_hf(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM of `cfg`, randomly initialised directly on `device`."""
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(**cfg)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _runner(llm: Any) -> Any:
+    """The in-process ModelRunner behind an `LLM` (single-rank executor)."""
+    return llm.engine.core.executor.runner
+
+
+def decode_with_runner(runner: Any, prompt: list[int], steps: int, device: torch.device) -> tuple[float, list[int]]:
+    """Greedy batch-1 decode straight through the model runner: (tokens/s over `steps`, tokens)."""
+    from rivulet.worker.batch import SeqChunk
+
+    bs = runner.cache_config.block_size
+    blocks = list(range(1, -(-(len(prompt) + steps + 1) // bs) + 1))
+    tok = int(runner.forward([SeqChunk(prompt, 0, blocks)])[0].argmax())
+    tokens = [tok]
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tok = int(runner.forward([SeqChunk([tok], len(prompt) + i, blocks)])[0].argmax())
+        tokens.append(tok)
+    return steps / (time.perf_counter() - t0), tokens
+
+
+def _generate(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    from rivulet import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    return {"requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len, "elapsed_s": elapsed,
+            "output_tokens": n_out, "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed}
+
+
+def _hf_generate(hf: Any, prompts: list[list[int]], output_len: int, device: torch.device) -> dict[str, Any]:
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=output_len, min_new_tokens=output_len)
+    with torch.inference_mode():
+        hf.generate(ids[:1, :8], attention_mask=torch.ones_like(ids[:1, :8]), **(kw | {"max_new_tokens": 2,
+                                                                                        "min_new_tokens": 2}))
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        sync(device)
+    elapsed = time.perf_counter() - t0
+    n_out = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
+    return {"requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len, "elapsed_s": elapsed,
+            "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "total_tok_s": (n_out + ids.numel()) / elapsed}
+
+
+def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.device, dtype: torch.dtype,
+              deadline: Deadline) -> None:
+    from rivulet import LLM
+
+    folder = Path(tempfile.mkdtemp(prefix="rivulet_gpu_check_"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out.set("config", {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "num_key_value_heads", "intermediate_size", "vocab_size")})
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return torch.randint(100, cfg["vocab_size"] - 100, (n, length), generator=gen).tolist()
+
+    state: dict[str, Any] = {}
+    long_len = args.long_input_len + args.long_output_len if args.long_requests else 0
+    max_len = max(args.input_len + args.output_len, long_len) + 16
+
+    def hf_build() -> dict[str, Any]:
+        state["hf"] = build_hf(cfg, device, dtype)
+        return {"params": sum(p.numel() for p in state["hf"].parameters())}
+
+    def rivulet_build() -> dict[str, Any]:
+        llm = state["llm"] = LLM(str(folder), dtype=str(dtype).removeprefix("torch."), load_format="dummy",
+                                 max_model_len=max_len, max_num_seqs=max(args.num_prompts, args.long_requests),
+                                 max_num_batched_tokens=args.max_batched_tokens,
+                                 kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), enable_prefix_caching=False)
+        runner = _runner(llm)
+        params = dict(runner.model.named_parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        embed = params.get("model.embed_tokens.weight")
+        read_per_token = weight_bytes - (embed.numel() * embed.element_size() if embed is not None and
+                                         not cfg.get("tie_word_embeddings") else 0)
+        graphs = runner.cuda_graphs
+        return {"weight_bytes": weight_bytes, "weight_bytes_read_per_token": read_per_token,
+                "num_kv_blocks": llm.engine.core.num_blocks, "cuda_graphs": graphs is not None,
+                "cuda_graph_error": getattr(runner, "cuda_graph_error", None),
+                "graph_buckets": list(graphs.buckets) if graphs is not None else [],
+                "graph_capture_s": graphs.capture_s if graphs is not None else None}
+
+    def copy_weights() -> dict[str, Any]:
+        loaded = _runner(state["llm"]).model.load_weights(state["hf"].state_dict().items())
+        return {"loaded_tensors": len(loaded)}
+
+    def logits_vs_hf() -> dict[str, Any]:
+        from rivulet.worker.batch import SeqChunk
+
+        runner, hf = _runner(state["llm"]), state["hf"]
+        p = prompts(1, 32)[0]
+        with torch.inference_mode():
+            ours = runner.forward([SeqChunk(p, 0, [1, 2])], all_logits=True).float()
+            theirs = hf(torch.tensor([p], device=device)).logits[0].float()
+        cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        return {"max_abs_diff": float((ours - theirs).abs().max()), "max_abs_logit": float(theirs.abs().max()),
+                "top1_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+                "min_cosine": float(cos.min()), "passed": bool(cos.min() > 0.99)}
+
+    def decode_b1() -> dict[str, Any]:
+        runner = _runner(state["llm"])
+        prompt = prompts(1, args.input_len)[0]
+        graphs = runner.cuda_graphs
+        res: dict[str, Any] = {"prompt_len": args.input_len, "steps": args.decode_steps}
+        runner.cuda_graphs = None
+        try:
+            res["eager_tok_s"], eager_tokens = decode_with_runner(runner, prompt, args.decode_steps, device)
+        finally:
+            runner.cuda_graphs = graphs
+        if graphs is not None:
+            res["graphs_tok_s"], graph_tokens = decode_with_runner(runner, prompt, args.decode_steps, device)
+            res["graph_tokens_equal_eager"] = graph_tokens == eager_tokens
+        kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
+        read = out.data.get("rivulet_build", {}).get("weight_bytes_read_per_token", 0)
+        res["bytes_per_step"] = read + kv_per_token * (args.input_len + args.decode_steps // 2)
+        return res
+
+    def generate_b1() -> dict[str, Any]:
+        llm = state["llm"]
+        runner = _runner(llm)
+        p = prompts(1, args.input_len)
+        _generate(llm, p, 4)  # warm-up
+        graphs = runner.cuda_graphs
+        runner.cuda_graphs = None
+        try:
+            eager = _generate(llm, p, args.output_len)
+        finally:
+            runner.cuda_graphs = graphs
+        res = {"eager": eager}
+        if graphs is not None:
+            res["graphs"] = _generate(llm, p, args.output_len)
+        return res
+
+    def throughput() -> dict[str, Any]:
+        state["short_prompts"] = prompts(args.num_prompts, args.input_len)
+        _generate(state["llm"], state["short_prompts"][:2], 2)  # warm-up
+        return _generate(state["llm"], state["short_prompts"], args.output_len)
+
+    def hf_throughput() -> dict[str, Any]:
+        hf = state["hf"]
+        batch = _hf_generate(hf, state.get("short_prompts") or prompts(args.num_prompts, args.input_len),
+                             args.output_len, device)
+        single = _hf_generate(hf, prompts(1, args.input_len), args.output_len, device)
+        return {"batch": batch, "b1": single}
+
+    def throughput_long() -> dict[str, Any]:
+        p = prompts(args.long_requests, args.long_input_len)
+        return _generate(state["llm"], p, args.long_output_len)
+
+    _step(out, "hf_build", deadline, 30, hf_build)
+    if not _step(out, "rivulet_build", deadline, 60, rivulet_build):
+        return
+    if "hf" in state:
+        _step(out, "copy_weights", deadline, 10, copy_weights)
+        _step(out, "logits_vs_hf", deadline, 10, logits_vs_hf)
+    _step(out, "decode_b1", deadline, 20, decode_b1)
+    _step(out, "generate_b1", deadline, 30, generate_b1)
+    _step(out, "throughput", deadline, 30, throughput)
+    if "hf" in state:
+        _step(out, "hf_generate", deadline, 40, hf_throughput)
+        del state["hf"]  # its memory goes to the long run's KV cache
+        free_memory(device)
+    if args.long_requests:
+        short = out.data.get("throughput", {})
+        est = 60.0
+        if short.get("status") == "ok":  # scale by tokens, x2 for the longer contexts
+            est = 2 * short["elapsed_s"] * (args.long_requests * (args.long_input_len + args.long_output_len)) / \
+                (args.num_prompts * (args.input_len + args.output_len))
+        _step(out, "throughput_long", deadline, est + 10, throughput_long)
+    llm = state.pop("llm", None)
+    if llm is not None:
+        llm.shutdown()

@@ -1,0 +1,68 @@
+"""Op registry: an op's name -> its implementation for a kernel backend.
+
+Every op has a "torch" implementation (the plain PyTorch reference, which runs anywhere); faster
+backends register beside it. A backend's implementations are named by "module:function" strings
+and imported on first use, so importing Rivulet never requires Triton. Layers ask for their ops
+once, at construction, through `get_op(name)`, which picks the current platform's backend
+(`Platform.kernel_backend()`) and falls back to the reference for ops that backend lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from rivulet.kernels.activation import silu_and_mul_ref
+from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
+from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from rivulet.kernels.quant import fp8_linear_ref
+from rivulet.kernels.rotary import apply_rotary_ref
+
+OpImpl = Callable[..., object]
+
+_TRITON = "rivulet.kernels.triton"
+
+# op name -> backend -> implementation (a callable, or "module:function" imported lazily)
+_OPS: dict[str, dict[str, OpImpl | str]] = {
+    "rms_norm": {"torch": rms_norm_ref, "triton": f"{_TRITON}.norm:rms_norm"},
+    "fused_add_rms_norm": {"torch": fused_add_rms_norm_ref, "triton": f"{_TRITON}.norm:fused_add_rms_norm"},
+    "silu_and_mul": {"torch": silu_and_mul_ref, "triton": f"{_TRITON}.activation:silu_and_mul"},
+    "apply_rotary": {"torch": apply_rotary_ref, "triton": f"{_TRITON}.rotary:apply_rotary"},
+    "write_kv_cache": {"torch": write_kv_cache_ref, "triton": f"{_TRITON}.kv_cache:write_kv_cache"},
+    "topk_routing": {"torch": topk_routing_ref, "triton": f"{_TRITON}.moe:topk_routing"},
+    "fused_moe": {"torch": fused_moe_ref, "triton": f"{_TRITON}.moe:fused_moe"},
+    "fp8_linear": {"torch": fp8_linear_ref, "triton": f"{_TRITON}.fp8_linear:fp8_linear"},
+}
+
+
+def register_op(name: str, backend: str, impl: OpImpl | str) -> None:
+    """Add (or replace) `backend`'s implementation of op `name`."""
+    _OPS.setdefault(name, {})[backend] = impl
+
+
+def op_names() -> list[str]:
+    return sorted(_OPS)
+
+
+def _resolve(impl: OpImpl | str) -> OpImpl:
+    if not isinstance(impl, str):
+        return impl
+    module, _, fn = impl.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def get_op(name: str, backend: str | None = None) -> OpImpl:
+    """`backend`'s implementation of `name` (default: the current platform's kernel backend),
+    or the reference when that backend has none."""
+    if name not in _OPS:
+        raise ValueError(f"unknown op {name!r}; known: {op_names()}")
+    if backend is None:
+        from rivulet.platforms import current_platform
+
+        backend = current_platform().kernel_backend()
+    impls = _OPS[name]
+    if backend not in impls:
+        backend = "torch"
+    impl = impls[backend] = _resolve(impls[backend])  # imported once
+    return impl
