@@ -1,10 +1,11 @@
 # The two commands a new user runs (see README.md). Each creates .venv/ when it is missing.
 .PHONY: run test setup setup-test clean
 
-PROMPT ?= Write a haiku about a mountain river.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-run: setup  ## set up, then generate from the default model
-	.venv/bin/rivulet generate --chat --prompt "$(PROMPT)" --max-tokens 64
+run: setup  ## set up, then serve the default model over the OpenAI API on http://$(HOST):$(PORT)/v1
+	.venv/bin/rivulet serve --model default --host $(HOST) --port $(PORT)
 
 test: setup-test  ## set up, then run the whole test suite
 	.venv/bin/python -m pytest -q

@@ -1,4 +1,5 @@
-"""`rivulet` command line: generate (batch of prompts) and chat (interactive, streaming)."""
+"""`rivulet` command line: serve (OpenAI-compatible HTTP server), generate (batch of prompts) and chat
+(interactive, streaming)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,21 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    """The OpenAI server's own flags (vLLM's names)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: --model); the first appears in responses")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="answer 503 once max-num-seqs + this many requests are unfinished (default: no limit)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before closing them")
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rivulet", description="Rivulet LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(max_tokens=512, temperature=0.7)
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    _engine_args(s)
+    _serve_args(s)
     return parser
 
 
@@ -134,6 +154,14 @@ def cmd_chat(a: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from rivulet.entrypoints.openai.api_server import run_server
+
+    if a.model_tag is not None:
+        a.model = a.model_tag
+    return run_server(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -144,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     log.handlers = [handler]
     log.setLevel(logging.INFO)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat}[a.command](a)
+        code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[a.command](a)
     except RivuletError as e:
         print(f"rivulet: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible server: the FastAPI app, its gate (API key, draining, in-flight count), and
+``run_server`` (bind, start the engine process, serve, drain on SIGTERM, stop the engine).
+
+Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
+``/detokenize``, ``/health``, ``/version``, ``/metrics``. With ``--api-key`` every endpoint but
+``/health``, ``/version``, ``/metrics`` and the OpenAPI docs needs ``Authorization: Bearer KEY``.
+
+Overload: with ``--max-queue Q`` a generation request is answered 503 (``Retry-After``) without
+reaching the engine when it would take the number of unfinished requests above
+``--max-num-seqs + Q`` (running capacity plus Q waiting). A request with k prompts counts k.
+
+Shutdown: on SIGTERM (or SIGINT) the server stops taking requests (they get 503), waits up to
+``--drain-timeout`` seconds for the requests in flight, then closes the remaining connections
+(aborting their engine requests), stops the engine process and exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import rivulet
+from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig
+from rivulet.entrypoints.openai.engine_client import EngineClient
+from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
+from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                                 ModelList, TokenizeRequest, TokenizeResponse)
+from rivulet.entrypoints.openai.serving_base import ServerContext, ServerSettings
+from rivulet.entrypoints.openai.serving_chat import ChatHandler
+from rivulet.entrypoints.openai.serving_completion import CompletionHandler
+from rivulet.entrypoints.openai.serving_tokenization import TokenizationHandler
+
+logger = logging.getLogger("rivulet.server")
+
+# Paths that stay open without the API key (as in vLLM: probes, scrapes, docs).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                        "/redoc"})
+STATS_TIMEOUT_S = 2.0
+
+
+class Gate:
+    """ASGI middleware in front of every route: 503 while draining, 401 without the API key, and the
+    count of HTTP requests in flight (a streamed answer counts until its last byte)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
+        self.app = app
+        self.ctx = ctx
+        key = ctx.settings.api_key
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                return hmac.compare_digest(value.strip(), self._expected or b"")
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ctx = self.ctx
+        if ctx.draining:
+            ctx.metrics.reject("draining")
+            err = OpenAIError(503, "the server is shutting down", code="server_shutting_down",
+                              headers={"Retry-After": str(ctx.settings.retry_after_s), "Connection": "close"})
+            await error_response(err)(scope, receive, send)
+            return
+        if self._expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            err = OpenAIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error_response(err)(scope, receive, send)
+            return
+        ctx.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            ctx.inflight -= 1
+
+
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The app for one engine; all its state hangs off ``app.state.ctx``."""
+    ctx = ServerContext(engine, settings)
+    app = FastAPI(title="Rivulet OpenAI-compatible API", version=rivulet.__version__)
+    app.state.ctx = ctx
+    install_exception_handlers(app)
+    app.add_middleware(Gate, ctx=ctx)
+    completions, chat, tokens = CompletionHandler(ctx), ChatHandler(ctx), TokenizationHandler(ctx)
+
+    @app.get("/health", responses={503: {"description": "the engine process died"}})
+    async def health() -> Response:
+        """200 while the engine runs, 503 once it died."""
+        if not engine.is_healthy:
+            return error_response(OpenAIError(503, "the engine process is not running", code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONBody:
+        return JSONBody({"version": rivulet.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text; engine gauges refreshed from the engine when it answers within 2 s."""
+        if engine.is_healthy:
+            try:
+                ctx.metrics.update_engine_stats(await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S))
+            except Exception as e:  # a dead or slow engine must not break the scrape
+                logger.debug("engine stats unavailable: %s", e)
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=settings.model_root, max_model_len=engine.model_info.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> JSONBody:
+        return JSONBody(ModelList(data=[model_card(n) for n in settings.served_model_names]).model_dump())
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def get_model(model: str) -> JSONBody:
+        return JSONBody(model_card(ctx.model_name(model)).model_dump())
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> JSONBody:
+        return JSONBody(tokens.tokenize(body).model_dump())
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> JSONBody:
+        return JSONBody(tokens.detokenize(body).model_dump())
+
+    return app
+
+
+# ------------------------------------------------------------------------- the process
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of an immediate stop."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.loop = loop
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Signal handler (main thread): start draining; a second signal exits at once. The signal
+        is not re-raised after shutdown, so the process exits 0."""
+        if self.ctx.draining or self.should_exit:
+            logger.info("second signal: stopping now")
+            self.should_exit = self.force_exit = True
+            return
+        self.ctx.draining = True
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = self.loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        timeout = self.ctx.settings.drain_timeout
+        logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight", timeout,
+                    self.ctx.inflight)
+        deadline = time.monotonic() + timeout
+        while self.ctx.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.ctx.inflight:
+            logger.warning("drain timeout: closing %d requests still in flight", self.ctx.inflight)
+        self.should_exit = True
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the command line asks for."""
+    return EngineConfig(
+        model=ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
+                          load_format=a.load_format, seed=a.seed),
+        cache=CacheConfig(kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=getattr(a, "tensor_parallel_size", 1)),
+    )
+
+
+def settings_from_args(a: argparse.Namespace) -> ServerSettings:
+    """The ServerSettings the command line asks for."""
+    if a.max_queue is not None and a.max_queue < 0:
+        raise RivuletError("--max-queue must be >= 0")
+    if a.drain_timeout < 0:
+        raise RivuletError("--drain-timeout must be >= 0")
+    return ServerSettings(served_model_names=a.served_model_name or [a.model], model_root=a.model,
+                          api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
+                          drain_timeout=a.drain_timeout)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (uvicorn listens on it); done before loading the model so a busy port fails fast."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise RivuletError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def run_server(a: argparse.Namespace) -> int:
+    """``rivulet serve``: returns the exit code (0 after a signal-triggered shutdown)."""
+    settings = settings_from_args(a)
+    config = engine_config_from_args(a)
+    sock = bind_socket(a.host, a.port)
+    try:
+        return asyncio.run(_serve(config, settings, sock, a))
+    finally:
+        sock.close()
+
+
+async def _serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
+    from rivulet.engine.async_llm import AsyncLLM  # imports torch: only once the command line is valid
+
+    logger.info("starting the engine for %s", config.model.model)
+    engine = await AsyncLLM.start(config)
+    try:
+        app = build_app(engine, settings)
+        uv_config = uvicorn.Config(app, log_level=a.uvicorn_log_level, access_log=not a.disable_uvicorn_access_log,
+                                   timeout_graceful_shutdown=2, timeout_keep_alive=5)
+        server = DrainingServer(uv_config, app.state.ctx, asyncio.get_running_loop())
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(settings.served_model_names),
+                    host, port)
+        await server.serve(sockets=[sock])
+    finally:
+        await engine.shutdown()
+    logger.info("stopped")
+    return 0
+

@@ -1,0 +1,313 @@
+"""Request and response models of the OpenAI API (the parts Rivulet serves), plus vLLM's extras.
+
+Requests accept unknown fields and ignore them (``extra="allow"``), as OpenAI clients send fields
+a server may not know. The ranges here are SamplingParams' own (so the OpenAPI schema documents
+them), plus bounds that keep integers inside what can cross the process boundary (int64) and
+bound what one request may ask for (``n``, logprobs). ``SamplingParams`` still checks everything
+(NaN, infinities, logit_bias keys, min_tokens <= max_tokens, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from rivulet.sampling_params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # OpenAI's own limit on choices per request
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+Stop = Union[str, list[str], None]
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if a string anywhere in ``value`` cannot be encoded as UTF-8 (JSON allows "\\ud800")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+class OpenAIRequest(BaseModel):
+    """Base of request bodies: unknown fields allowed and ignored, strings must be valid Unicode."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _has_lone_surrogate(data):
+            raise ValueError("the request contains a string that is not valid Unicode (a lone surrogate)")
+        return data
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+
+
+class SamplingFields(OpenAIRequest):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)] | None = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = None
+    seed: Int64 | None = None
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, Field(ge=-1, le=2**31)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: Int64 = 0
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The ``SamplingParams`` arguments these fields give (defaults where a field is null)."""
+        return dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------- completions
+
+CompletionPrompt = Union[list[TokenId], list[list[TokenId]], str, list[str]]
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: CompletionPrompt
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a (possibly batched) request: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``SamplingParams`` for one prompt (RivuletError for invalid values).
+
+        ``max_tokens=0`` with ``echo`` scores the prompt without generating: the engine generates
+        one token, which the response leaves out.
+        """
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if self.max_tokens == 0 and self.echo:
+            max_tokens = 1
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs,
+                              prompt_logprobs=prompt_logprobs)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs object."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+# ---------------------------------------------------------------------- chat
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; extra fields (``name``, ``tool_calls``, ...) go to the chat template as given."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``SamplingParams`` for the conversation (RivuletError for invalid values)."""
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**self.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+# -------------------------------------------------------------- tokenization
+
+class TokenizeRequest(OpenAIRequest):
+    """``POST /tokenize``: either ``prompt`` or ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIRequest):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# -------------------------------------------------------------------- models
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "rivulet"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,391 @@
+"""What the generation endpoints share: per-app context, admission, engine request groups, prompts,
+per-choice streaming deltas, disconnect handling and the SSE response.
+
+Lifecycle of one HTTP generation request::
+
+    group = ctx.open_group(k)            # 503 if overloaded; reserves k slots (k = number of prompts)
+    group.add(prompt, params, id)         # one engine request per prompt (n samples each)
+    await until_disconnected(receive, group.prime() / group.collect())
+    EventStreamResponse(events, on_close=group.aclose)   # streaming: the response owns the group
+    await group.aclose()                  # otherwise: the handler closes it (aborts what is unfinished)
+
+Closing a group closes its engine streams, which aborts unfinished requests in the engine and
+frees their KV blocks, and gives the slots back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from rivulet.config import RivuletError
+from rivulet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from rivulet.entrypoints.openai.engine_client import EngineClient, EngineDeadError
+from rivulet.entrypoints.openai.errors import OpenAIError, dumps, engine_dead_error, error_body
+from rivulet.entrypoints.openai.metrics import ServerMetrics
+from rivulet.sampling_params import SamplingParams
+
+logger = logging.getLogger("rivulet.server")
+T = TypeVar("T")
+
+
+@dataclass
+class ServerSettings:
+    """How the server behaves, from the command line."""
+
+    served_model_names: list[str]
+    model_root: str | None = None
+    api_key: str | None = None
+    max_queue: int | None = None  # None: no limit
+    max_num_seqs: int = 128  # the engine's running capacity, part of the admission limit
+    drain_timeout: float = 30.0
+    retry_after_s: int = 1
+
+    @property
+    def admission_limit(self) -> int | None:
+        """Most unfinished requests at once: running capacity plus ``max_queue`` waiting; None: no limit."""
+        return None if self.max_queue is None else self.max_num_seqs + self.max_queue
+
+
+class ServerContext:
+    """Per-app state: the engine, settings, metrics, and counters of admitted and in-flight requests."""
+
+    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics or ServerMetrics(settings.served_model_names[0])
+        self.active = 0  # engine requests admitted and not yet closed
+        self.inflight = 0  # HTTP requests being answered (the gate middleware counts them)
+        self.draining = False
+
+    # ---- models ----
+
+    def model_name(self, requested: str | None) -> str:
+        """The served name a request names (the first one when it names none); 404 if unknown."""
+        names = self.settings.served_model_names
+        if requested is None or requested == "":
+            return names[0]
+        if requested not in names:
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        return requested
+
+    # ---- admission ----
+
+    def open_group(self, count: int) -> RequestGroup:
+        """Reserve ``count`` engine requests, or answer 503 with Retry-After when the queue is full.
+        Decided from counters alone: the engine is not asked."""
+        limit = self.settings.admission_limit
+        if limit is not None:
+            load = max(self.engine.num_unfinished_requests, self.active)
+            if load + count > limit:
+                self.metrics.reject("overloaded")
+                raise OpenAIError(503, f"the server is overloaded ({load} requests unfinished, limit {limit}); "
+                                       "retry later", code="server_overloaded",
+                                  headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.active += count
+        return RequestGroup(self, count)
+
+    # ---- prompts ----
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt string or token-id list; 400 if it cannot be tokenized."""
+        tok = self.engine.tokenizer
+        try:
+            if isinstance(prompt, str) and tok is not None:
+                return prompt, list(tok(prompt, add_special_tokens=add_special_tokens).input_ids)
+            return self.engine.processor.tokenize_prompt(prompt)
+        except RivuletError:
+            raise
+        except Exception as e:  # a tokenizer failing on odd input is the input's fault
+            raise OpenAIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids ("" without a tokenizer)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return ""
+        try:
+            return tok.decode(token_ids)
+        except Exception as e:
+            raise OpenAIError(400, f"cannot decode the token ids: {e}", param="tokens") from None
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """What a request without ``max_tokens`` may generate: the rest of the context (at least 1)."""
+        return max(1, self.engine.model_info.max_model_len - num_prompt_tokens)
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request; ``aclose()`` aborts what is unfinished and frees the slots."""
+
+    def __init__(self, ctx: ServerContext, slots: int) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.streams: list[AsyncIterator[RequestOutput]] = []
+        self.closed = False
+
+    def add(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0) -> None:
+        """Add one engine request; it reaches the engine when its stream is first read."""
+        self.streams.append(self._tracked(prompt, params, request_id, priority))
+
+    async def _tracked(self, prompt: Any, params: SamplingParams, request_id: str,
+                       priority: int) -> AsyncIterator[RequestOutput]:
+        tracker = self.ctx.metrics.tracker()
+        gen = self.ctx.engine.generate(prompt, params, request_id, priority)
+        try:
+            async for out in gen:
+                tracker.observe(out)
+                yield out
+        except RivuletError:
+            tracker.done = True  # rejected before it started: not a served request
+            raise
+        except EngineDeadError:
+            tracker.abort(params.n, "error")
+            raise
+        finally:
+            tracker.abort(params.n)  # no-op when it finished
+            await close_quietly(gen)
+
+    async def prime(self) -> list[RequestOutput]:
+        """The first output of every request, all submitted at once; the first error raises (invalid
+        input surfaces here, before any response is sent)."""
+        try:
+            firsts = await gather_or_cancel([anext(s) for s in self.streams])  # type: ignore[arg-type]
+        except StopAsyncIteration:
+            raise OpenAIError(500, "the engine ended a request without output") from None
+        check_errors(firsts)
+        return firsts
+
+    async def collect(self) -> list[RequestOutput]:
+        """The final output of every request."""
+        async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+            out: RequestOutput | None = None
+            async for out in stream:
+                pass
+            if out is None:
+                raise OpenAIError(500, "the engine ended a request without output")
+            return out
+
+        finals = await gather_or_cancel([last(s) for s in self.streams])
+        check_errors(finals)
+        return finals
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(request index, snapshot) as they come, after ``prime``."""
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        async for item in merge(self.streams):
+            yield item
+
+    async def aclose(self) -> None:
+        """Close every stream (aborting unfinished requests) and give the slots back; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for stream in self.streams:
+                await close_quietly(stream)  # type: ignore[arg-type]
+        finally:
+            self.ctx.active -= self.slots
+
+
+def check_errors(outputs: list[RequestOutput]) -> None:
+    """400 when the engine refused a request (a choice finished with ``error``)."""
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                raise OpenAIError(400, c.error or "the engine rejected the request")
+
+
+# ---------------------------------------------------------------- streaming deltas
+
+@dataclass
+class Delta:
+    """What one choice gained since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class ChoiceState:
+    """How much of one choice was already sent."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+    chars_emitted: int = 0  # text offset for streamed completions logprobs
+
+    def delta(self, c: CompletionOutput) -> Delta | None:
+        """The unsent part of ``c`` (None when nothing is new); marks it sent."""
+        if self.finished:
+            return None
+        text, tokens = c.text[self.text_sent:], c.token_ids[self.tokens_sent:]
+        lps = c.logprobs[self.tokens_sent:len(c.token_ids)] if c.logprobs is not None else None
+        if not text and not tokens and c.finish_reason is None:
+            return None
+        self.text_sent, self.tokens_sent = len(c.text), len(c.token_ids)
+        self.finished = c.finish_reason is not None
+        return Delta(text, tokens, lps, c.finish_reason, c.stop_reason)
+
+
+@dataclass
+class Usage:
+    """Token counts of a response."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error_event(e: BaseException) -> str:
+    """The event that ends a stream which failed after it started."""
+    if isinstance(e, EngineDeadError):
+        return sse(engine_dead_error(e).body())
+    if isinstance(e, OpenAIError):
+        return sse(e.body())
+    if isinstance(e, RivuletError):
+        return sse(error_body(400, str(e)))
+    return sse(error_body(500, f"internal server error: {type(e).__name__}: {e}"))
+
+
+# ---------------------------------------------------------------- async helpers
+
+async def close_quietly(gen: Any) -> None:
+    """``aclose()`` an async generator; errors are logged, and a cancellation of the caller does not
+    interrupt the close (it runs in its own task)."""
+    task = asyncio.ensure_future(gen.aclose())
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # closing must not fail the caller
+        logger.debug("error while closing a stream", exc_info=True)
+
+
+async def gather_or_cancel(aws: list[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` that cancels the rest when one fails (or when it is cancelled itself)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, as (index, item); the first error raises."""
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None, False))
+        except Exception as e:
+            queue.put_nowait((i, None, e, True))
+            return
+        queue.put_nowait((i, None, None, True))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, err, done = await queue.get()
+            if err is not None:
+                raise err
+            if done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected (the request body must already be read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(receive: Receive, aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the client disconnects first, cancel it (its engine requests are aborted by
+    their streams' cleanup) and raise ClientDisconnected."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        watch.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
+
+
+class EventStreamResponse(Response):
+    """An SSE response that sends ``events`` while watching for the client to leave.
+
+    When the events end, the client disconnects, or this task is cancelled, ``on_close`` runs (it
+    aborts unfinished engine requests and frees their slots) - whether or not streaming started.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.events = events
+        self.on_close = on_close
+        self.sse_headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                        "x-accel-buffering": "no", **(headers or {})}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.ensure_future(self._send_all(send))
+        watch = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sending.cancel()
+            watch.cancel()
+            await asyncio.gather(sending, watch, return_exceptions=True)
+            await close_quietly(self.events)
+            await self.on_close()
+        if not sending.cancelled() and sending.exception() is not None:
+            raise sending.exception()  # type: ignore[misc]
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.sse_headers.items()]})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
