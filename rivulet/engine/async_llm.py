@@ -156,8 +156,12 @@ class AsyncLLM:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-            elif kind == "stats" and self._stats_waiters:
-                self._stats_waiters.pop(0).set_result(payload)
+            elif kind == "stats":
+                while self._stats_waiters:  # a waiter that timed out is already done: skip it
+                    fut = self._stats_waiters.pop(0)
+                    if not fut.done():
+                        fut.set_result(payload)
+                        break
 
     async def _watch_process(self) -> None:
         while self._proc.poll() is None:

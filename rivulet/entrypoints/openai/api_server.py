@@ -113,8 +113,11 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         """Prometheus text; engine gauges refreshed from the engine when it answers within 2 s."""
         if engine.is_healthy:
+            # shielded: a slow engine step makes the scrape give up, not cancel the engine's pending reply
+            stats = asyncio.ensure_future(engine.get_stats())
+            stats.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception not retrieved"
             try:
-                ctx.metrics.update_engine_stats(await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S))
+                ctx.metrics.update_engine_stats(await asyncio.wait_for(asyncio.shield(stats), STATS_TIMEOUT_S))
             except Exception as e:  # a dead or slow engine must not break the scrape
                 logger.debug("engine stats unavailable: %s", e)
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

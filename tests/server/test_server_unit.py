@@ -1,0 +1,231 @@
+"""The HTTP layer in-process, on a scripted fake engine: admission and overload, the gate (API key,
+draining), engine death, JSON-safe logprobs, and the metrics' arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from fake_engine import FakeEngine
+from rivulet.engine.outputs import CompletionOutput, RequestOutput
+from rivulet.entrypoints.openai.api_server import DrainingServer, bind_socket, build_app
+from rivulet.entrypoints.openai.metrics import ServerMetrics
+from rivulet.entrypoints.openai.serving_base import ServerSettings
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from rivulet.engine.tokenizer import load_tokenizer
+    from rivulet.models.loader import resolve_model
+
+    return load_tokenizer(resolve_model("default"))
+
+
+def _app(engine: FakeEngine, **settings: Any) -> Any:
+    return build_app(engine, ServerSettings(served_model_names=["fake"], **settings))
+
+
+def _client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+
+
+def _events(text: str) -> list[Any]:
+    return [d if (d := line[6:]) == "[DONE]" else json.loads(d) for line in text.splitlines()
+            if line.startswith("data: ")]
+
+
+def test_overload_503_uses_counters_and_slots_come_back(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer, script=[504, 3575], step_delay=0.05)
+    app = _app(engine, max_queue=1, max_num_seqs=1)  # at most 2 unfinished requests
+
+    async def main() -> None:
+        async with _client(app) as c:
+            slow = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 10}))
+                    for _ in range(2)]
+            while engine.num_unfinished_requests < 2:
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/completions", json={"prompt": "b", "max_tokens": 1})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "server_overloaded"
+            assert [r.status_code for r in await asyncio.gather(*slow)] == [200, 200]
+            assert app.state.ctx.active == 0
+            # a batch counts one slot per prompt: 3 prompts never fit under a limit of 2
+            r = await c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
+            assert r.status_code == 503
+            r = await c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
+            assert r.status_code == 200 and [ch["index"] for ch in r.json()["choices"]] == [0, 1]
+            # invalid input gives its slot back too
+            r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 10_000})
+            assert r.status_code == 400 and app.state.ctx.active == 0
+
+    asyncio.run(main())
+    assert engine.aborted == []
+
+
+def test_gate_api_key_and_draining(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer, script=[504])
+    app = _app(engine, api_key="k")
+
+    async def main() -> None:
+        async with _client(app) as c:
+            assert (await c.get("/v1/models")).status_code == 401
+            assert (await c.get("/v1/models", headers={"Authorization": "Bearer k"})).status_code == 200
+            assert (await c.get("/v1/models", headers={"Authorization": "Bearer kk"})).status_code == 401
+            assert (await c.post("/detokenize", json={"tokens": [1]})).status_code == 401
+            for path in ("/health", "/metrics", "/version", "/openapi.json"):
+                assert (await c.get(path)).status_code == 200, path
+            app.state.ctx.draining = True
+            for path in ("/health", "/v1/models"):
+                r = await c.get(path, headers={"Authorization": "Bearer k"})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+
+    asyncio.run(main())
+
+
+def test_engine_death_ends_streams_with_an_error_event(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer, script=[504, 3575, 282], step_delay=0.02)
+    app = _app(engine)
+
+    async def main() -> None:
+        async with _client(app) as c:
+            asyncio.get_running_loop().call_later(0.15, engine.kill)
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 200, "stream": True})
+            events = _events(r.text)
+            assert r.status_code == 200 and "[DONE]" not in events
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert events[-1]["error"]["code"] == "engine_dead"
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert (await c.get("/health")).status_code == 503
+            metrics = (await c.get("/metrics")).text
+            # the stream cut by the death and the request refused after it
+            assert 'rivulet:request_success_total{finished_reason="error",model_name="fake"} 2.0' in metrics
+
+    asyncio.run(main())
+    assert app.state.ctx.active == 0
+
+
+def test_logprobs_are_json_safe_and_shaped(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer, script=[504, 3575])
+    app = _app(engine)
+
+    async def main() -> None:
+        async with _client(app) as c:
+            r = await c.post("/v1/completions", json={"prompt": "x y", "max_tokens": 2, "logprobs": 1,
+                                                      "echo": True})
+            lp = r.json()["choices"][0]["logprobs"]
+            assert lp["token_logprobs"][0] is None and lp["token_logprobs"][-2:] == [-0.5, -0.5]
+            assert lp["text_offset"] == sorted(lp["text_offset"])
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "max_tokens": 2, "logprobs": True, "top_logprobs": 2})
+            content = r.json()["choices"][0]["logprobs"]["content"]
+            assert [t["logprob"] for t in content] == [-0.5, -0.5]
+            assert [t["top_logprobs"][1]["logprob"] for t in content] == [-9999.0, -9999.0]  # -inf, clamped
+
+    asyncio.run(main())
+
+
+def test_request_tracker_arithmetic() -> None:
+    metrics = ServerMetrics("m")
+    tracker = metrics.tracker()
+    out = RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0), CompletionOutput(1)])
+    for step in range(3):
+        for c in out.outputs:
+            c.token_ids.append(7)
+            if step == 2:
+                c.finish_reason = "stop" if c.index == 0 else "length"
+        tracker.observe(out)
+    tracker.observe(out)  # repeated snapshots after the end change nothing
+    text = metrics.render().decode()
+
+    def value(name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + " ") or x.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value('rivulet:prompt_tokens_total{model_name="m"}') == 3
+    assert value('rivulet:generation_tokens_total{model_name="m"}') == 6
+    assert value('rivulet:request_success_total{finished_reason="stop",model_name="m"}') == 1
+    assert value('rivulet:request_success_total{finished_reason="length",model_name="m"}') == 1
+    assert value('rivulet:time_to_first_token_seconds_count{model_name="m"}') == 1
+    assert value('rivulet:inter_token_latency_seconds_count{model_name="m"}') == 2
+    for name in ("time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert value(f'rivulet:{name}_count{{model_name="m"}}') == 1
+    metrics.update_engine_stats({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.5,
+                                 "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 3})
+    metrics.update_engine_stats({"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+                                 "prefix_cache_queries": 20, "prefix_cache_hits": 4, "num_preemptions": 3})
+    text = metrics.render().decode()
+    assert value('rivulet:prefix_cache_queries_total{model_name="m"}') == 20
+    assert value('rivulet:num_preemptions_total{model_name="m"}') == 3
+    assert value('rivulet:prefix_cache_hit_rate{model_name="m"}') == pytest.approx(0.2)
+    assert value('rivulet:num_requests_running{model_name="m"}') == 0
+
+
+def test_drain_finishes_short_requests_and_cuts_long_ones_at_the_timeout(tokenizer: Any) -> None:
+    """SIGTERM handling in-process: the in-flight short stream completes, the long one is closed when
+    the drain timeout passes (and aborted in the engine), new requests get 503, serve() returns."""
+    engine = FakeEngine(tokenizer, script=[504, 3575], step_delay=0.05)
+    app = _app(engine, drain_timeout=1.0)
+    sock = bind_socket("127.0.0.1", 0)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+
+    async def stream(c: httpx.AsyncClient, max_tokens: int) -> list[Any] | str:
+        try:
+            async with c.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": max_tokens,
+                                                                 "stream": True}) as r:
+                return _events("\n".join([line async for line in r.aiter_lines()]))
+        except httpx.HTTPError as e:
+            return type(e).__name__
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1),
+                                app.state.ctx, loop)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            while True:
+                try:
+                    if (await c.get("/health")).status_code == 200:
+                        break
+                except httpx.ConnectError:
+                    pass
+                await asyncio.sleep(0.05)
+            short, long = asyncio.create_task(stream(c, 10)), asyncio.create_task(stream(c, 200))
+            while engine.num_unfinished_requests < 2:
+                await asyncio.sleep(0.01)
+            server.handle_exit(signal.SIGTERM, None)
+            await asyncio.sleep(0.1)
+            r = await c.get("/v1/models")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            short_events, long_events = await short, await long
+        await asyncio.wait_for(serving, 10)
+        assert isinstance(short_events, list) and short_events[-1] == "[DONE]"
+        assert long_events == "RemoteProtocolError" or "[DONE]" not in long_events
+
+    asyncio.run(main())
+    assert len(engine.aborted) == 1 and engine.num_unfinished_requests == 0
+    assert app.state.ctx.active == 0
+
+
+def test_serve_reports_a_busy_port_in_one_line_before_loading() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "rivulet.entrypoints.cli", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"rivulet: error: cannot listen on 127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 30  # no model was loaded
