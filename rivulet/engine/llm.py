@@ -31,15 +31,28 @@ class LLM:
         num_kv_blocks: int | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        quantization: str | None = None,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_sequence_parallel: bool = False,
+        enable_expert_parallel: bool = False,
+        replicated_experts: list[int] | None = None,
+        distributed_executor_backend: str | None = None,
+        pipeline_micro_batches: int | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,  # type: ignore[arg-type]
-                              max_model_len=max_model_len, load_format=load_format, seed=seed),  # type: ignore[arg-type]
+                              max_model_len=max_model_len, load_format=load_format, seed=seed,  # type: ignore[arg-type]
+                              quantization=quantization),  # type: ignore[arg-type]
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                                    enable_sequence_parallel=enable_sequence_parallel,
+                                    enable_expert_parallel=enable_expert_parallel,
+                                    replicated_experts=list(replicated_experts) if replicated_experts else None,
+                                    distributed_executor_backend=distributed_executor_backend,
+                                    pipeline_micro_batches=pipeline_micro_batches),
         )
         self.engine = LLMEngine(self.config)
 

@@ -1,5 +1,5 @@
-"""`rivulet` command line: serve (OpenAI-compatible HTTP server), generate (batch of prompts) and chat
-(interactive, streaming)."""
+"""`rivulet` command line: serve (OpenAI-compatible HTTP server), generate (batch of prompts), chat
+(interactive, streaming) and bench (benchmarks, `rivulet/bench/`)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="CPU: int8 (Q8_0-like) or int4 (Q4_1-like) weight copies for small-batch decode")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split each layer")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="stages that split the layers")
+    p.add_argument("--enable-sequence-parallel", action="store_true",
+                   help="with TP: norms and residuals on token shards (reduce-scatter + all-gather)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: split the experts over the TP ranks, tokens moved by all-to-all")
+    p.add_argument("--replicated-experts", type=int, nargs="+", default=None,
+                   help="with expert parallelism: expert ids every rank also holds (hot experts)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="with PP: micro-batches per step in flight through the stages (default: 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="worker processes on this machine (mp, default) or Ray actors (ray)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     _engine_args(s)
     _serve_args(s)
+    from rivulet.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -81,7 +98,12 @@ def _make_llm(a: argparse.Namespace) -> Any:
     return LLM(a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching,
-               load_format=a.load_format, seed=a.seed)
+               load_format=a.load_format, seed=a.seed, quantization=a.quantization,
+               tensor_parallel_size=a.tensor_parallel_size,
+               pipeline_parallel_size=a.pipeline_parallel_size, enable_sequence_parallel=a.enable_sequence_parallel,
+               enable_expert_parallel=a.enable_expert_parallel, replicated_experts=a.replicated_experts,
+               distributed_executor_backend=a.distributed_executor_backend,
+               pipeline_micro_batches=a.pipeline_micro_batches)
 
 
 def _params(a: argparse.Namespace) -> Any:
@@ -162,6 +184,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(a)
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from rivulet.bench.cli import cmd_bench as run
+
+    return run(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -172,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     log.handlers = [handler]
     log.setLevel(logging.INFO)
     try:
-        code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[a.command](a)
+        code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[a.command](a)
     except RivuletError as e:
         print(f"rivulet: error: {e}", file=sys.stderr)
         return 2

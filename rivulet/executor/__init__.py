@@ -7,8 +7,12 @@ Executor = UniProcExecutor | MultiprocExecutor
 
 
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
-    """One rank in this process, or one per tensor-parallel rank."""
-    if config.parallel.tensor_parallel_size > 1:
+    """One rank in this process, or one process (or Ray actor) per rank of tp x pp."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from rivulet.executor.ray_executor import RayExecutor  # Ray is optional: imported only when asked for
+
+        return RayExecutor(config, source)  # type: ignore[return-value]
+    if config.parallel.world_size > 1:
         return MultiprocExecutor(config, source)
     return UniProcExecutor(config, source)
 

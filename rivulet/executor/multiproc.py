@@ -1,5 +1,6 @@
-"""Tensor parallelism on one machine: rank 0 in this process, ranks 1..N-1 as child processes,
-joined by torch.distributed (gloo on CPU, NCCL on GPU). Each call is broadcast to every rank."""
+"""Several ranks on one machine: rank 0 in this process, ranks 1..N-1 as child processes, joined by
+torch.distributed (gloo on CPU, NCCL on GPU); N = tensor_parallel_size x pipeline_parallel_size.
+The scheduler runs once, here; each call (the step's SchedulerOutput) is broadcast to every rank."""
 
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_tensor_parallel(arch: ArchConfig, tp: int) -> None:
+def check_tensor_parallel(arch: ArchConfig, tp: int, expert_parallel: bool = False) -> None:
     """Fail early, in one line, when the model's shapes cannot be split over `tp` ranks."""
     def divisors(n: int) -> str:
         return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
     checks = [("attention heads", arch.num_attention_heads), ("MLP width", arch.intermediate_size)]
-    if arch.is_moe:
+    if arch.is_moe and expert_parallel:
+        if arch.num_experts % tp:
+            raise RivuletError(f"expert parallelism over {tp} ranks does not divide the model's "
+                               f"{arch.num_experts} experts; choose one of: {divisors(arch.num_experts)}")
+    elif arch.is_moe:
         checks.append(("expert MLP width", arch.moe_intermediate_size))
     for what, n in checks:
         if n and n % tp:
@@ -42,10 +47,26 @@ def check_tensor_parallel(arch: ArchConfig, tp: int) -> None:
         raise RivuletError(f"tensor_parallel_size {tp} and the model's {kv} key/value heads: one must divide the other")
 
 
+def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
+    """All the one-line checks of a parallel configuration against the model."""
+    pc = config.parallel
+    if pc.tensor_parallel_size < 1 or pc.pipeline_parallel_size < 1:
+        raise RivuletError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+    check_tensor_parallel(arch, pc.tensor_parallel_size, pc.enable_expert_parallel)
+    if pc.pipeline_parallel_size > arch.num_hidden_layers:
+        raise RivuletError(f"pipeline_parallel_size {pc.pipeline_parallel_size} exceeds the model's "
+                           f"{arch.num_hidden_layers} layers")
+    if pc.enable_expert_parallel and not arch.is_moe:
+        raise RivuletError("--enable-expert-parallel needs a mixture-of-experts model")
+    for e in pc.replicated_experts or ():
+        if not 0 <= e < arch.num_experts:
+            raise RivuletError(f"replicated expert {e} is not one of the model's {arch.num_experts} experts")
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self.world_size = config.parallel.tensor_parallel_size
-        check_tensor_parallel(load_arch_config(source)[0], self.world_size)
+        self.world_size = config.parallel.world_size
+        check_parallel(load_arch_config(source)[0], config)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs = []
         for rank in range(1, self.world_size):
@@ -60,10 +81,13 @@ class MultiprocExecutor:
             self.shutdown()
             raise
 
+    def _dead_ranks(self) -> list[str]:
+        return [p.args[3] for p in self.procs if p.poll() is not None]
+
     def _call(self, method: str, *args: Any) -> Any:
-        dead = [p.args[3] for p in self.procs if p.poll() is not None]
+        dead = self._dead_ranks()
         if dead:
-            raise RivuletError(f"tensor-parallel worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
+            raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
         Worker.broadcast_command((method, args))
         return self.worker.call(method, args)
 
@@ -86,12 +110,17 @@ class MultiprocExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute", out)
 
+    def collect(self, name: str) -> list[Any]:
+        """Every rank's statistics `name` (see `Worker.local_stats`), in rank order."""
+        return self._call("gather", name)
+
     def shutdown(self) -> None:
         if dist.is_initialized():
-            try:
-                Worker.broadcast_command(("shutdown", ()))
-            except RuntimeError:
-                pass
+            if not self._dead_ranks():  # with a rank gone the broadcast could wait out the gloo timeout;
+                try:                    # the survivors stop once rank 0's sockets close
+                    Worker.broadcast_command(("shutdown", ()))
+                except RuntimeError:
+                    pass
             dist.destroy_process_group()
         set_parallel_state(ParallelState())
         for p in self.procs:

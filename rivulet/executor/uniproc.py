@@ -35,5 +35,15 @@ class UniProcExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
+    def collect(self, name: str) -> list:
+        """This one rank's statistics `name` (see `Worker.local_stats`), as a one-element list."""
+        from types import SimpleNamespace
+
+        from rivulet.worker.worker import Worker
+
+        if not hasattr(self, "_stats"):
+            self._stats = SimpleNamespace(runner=self.runner, state=ParallelState(), rank=0, steps=0, step_time_s=0.0)
+        return [Worker.local_stats(self._stats, name)]  # type: ignore[arg-type]
+
     def shutdown(self) -> None:
         pass

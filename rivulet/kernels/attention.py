@@ -94,6 +94,7 @@ class _DecodePlan:
     """What every layer's CPU attention needs about the step's decode tokens, built once per step."""
 
     rows: torch.Tensor  # [S] flat-batch row of each decode token
+    seqs: torch.Tensor  # [S] the sequence (index into block_tables / seq_lens) of each decode token
     block_ids: torch.Tensor  # [S * n] the pages of each decode sequence, padded to n pages
     mask: torch.Tensor  # [S, 1, 1, n * block_size] which keys each decode token may see
     prefill: list[int]  # sequences with more than one query token
@@ -110,7 +111,8 @@ class _DecodePlan:
             mask &= k_pos > seq_lens - 1 - sliding_window
         tables = meta.block_tables[torch.tensor(decode, dtype=torch.long), :n].long().flatten()
         prefill = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
-        return cls(torch.tensor([qsl[i] for i in decode]), tables, mask[:, None, None, :], prefill)
+        return cls(torch.tensor([qsl[i] for i in decode]), torch.tensor(decode, dtype=torch.long), tables,
+                   mask[:, None, None, :], prefill)
 
 
 def paged_attention_cpu(
@@ -120,8 +122,9 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """The CPU backend: all decode tokens of the step in one SDPA call over their gathered pages
-    (padded to the longest, padding masked out); prefill chunks one sequence at a time."""
+    """The CPU backend: all decode tokens of the step in one call (the C++ kernel reading the pages
+    in place, or without it one SDPA over the gathered pages padded to the longest); prefill chunks
+    one sequence at a time through SDPA."""
     _, num_blocks, block_size, hk, d = kv_cache.shape
     key = ("cpu_decode", sliding_window)
     plan = meta.backend_cache.get(key)
@@ -129,7 +132,11 @@ def paged_attention_cpu(
         plan = meta.backend_cache[key] = _DecodePlan.build(meta, block_size, sliding_window)
     out = torch.empty_like(query)
     s = len(plan.rows)
-    if s:
+    ext = _cpu_ext()
+    if s and ext is not None and query.dtype == kv_cache.dtype and query.dtype in (torch.float32, torch.bfloat16):
+        ext.decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, plan.rows, plan.seqs, out, scale,
+                             sliding_window or 0)
+    elif s:
         pages = kv_cache.view(2, num_blocks, -1)
         k = torch.index_select(pages[0], 0, plan.block_ids).view(s, -1, hk, d).transpose(1, 2)
         v = torch.index_select(pages[1], 0, plan.block_ids).view(s, -1, hk, d).transpose(1, 2)
@@ -140,6 +147,12 @@ def paged_attention_cpu(
     for i in plan.prefill:
         out[qsl[i]:qsl[i + 1]] = _sequence_attention(query, kv_cache, meta, i, scale, sliding_window)
     return out
+
+
+def _cpu_ext() -> Any:
+    from rivulet.kernels.cpu import load_cpu_ext
+
+    return load_cpu_ext()
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]

@@ -16,24 +16,31 @@ from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from rivulet.kernels.quant import fp8_linear_ref
+from rivulet.kernels.quant import fp8_linear_ref, int4_linear_ref, int8_linear_ref
 from rivulet.kernels.rotary import apply_rotary_ref
 
 OpImpl = Callable[..., object]
 
 _TRITON = "rivulet.kernels.triton"
+_CPU = "rivulet.kernels.cpu.ops"
 
 # op name -> backend -> implementation (a callable, or "module:function" imported lazily)
 _OPS: dict[str, dict[str, OpImpl | str]] = {
-    "rms_norm": {"torch": rms_norm_ref, "triton": f"{_TRITON}.norm:rms_norm"},
-    "fused_add_rms_norm": {"torch": fused_add_rms_norm_ref, "triton": f"{_TRITON}.norm:fused_add_rms_norm"},
+    "rms_norm": {"torch": rms_norm_ref, "triton": f"{_TRITON}.norm:rms_norm", "cpu": f"{_CPU}:rms_norm"},
+    "fused_add_rms_norm": {"torch": fused_add_rms_norm_ref, "triton": f"{_TRITON}.norm:fused_add_rms_norm",
+                           "cpu": f"{_CPU}:fused_add_rms_norm"},
     "silu_and_mul": {"torch": silu_and_mul_ref, "triton": f"{_TRITON}.activation:silu_and_mul"},
-    "apply_rotary": {"torch": apply_rotary_ref, "triton": f"{_TRITON}.rotary:apply_rotary"},
-    "write_kv_cache": {"torch": write_kv_cache_ref, "triton": f"{_TRITON}.kv_cache:write_kv_cache"},
+    "apply_rotary": {"torch": apply_rotary_ref, "triton": f"{_TRITON}.rotary:apply_rotary",
+                     "cpu": f"{_CPU}:apply_rotary"},
+    "write_kv_cache": {"torch": write_kv_cache_ref, "triton": f"{_TRITON}.kv_cache:write_kv_cache",
+                       "cpu": f"{_CPU}:write_kv_cache"},
     "topk_routing": {"torch": topk_routing_ref, "triton": f"{_TRITON}.moe:topk_routing"},
     "fused_moe": {"torch": fused_moe_ref, "triton": f"{_TRITON}.moe:fused_moe"},
     "fp8_linear": {"torch": fp8_linear_ref, "triton": f"{_TRITON}.fp8_linear:fp8_linear"},
+    "int8_linear": {"torch": int8_linear_ref, "cpu": f"{_CPU}:int8_linear"},
+    "int4_linear": {"torch": int4_linear_ref, "cpu": f"{_CPU}:int4_linear"},
 }
+
 
 
 def register_op(name: str, backend: str, impl: OpImpl | str) -> None:

@@ -30,3 +30,84 @@ def fp8_linear_ref(
     """x [..., K] @ dequantize(weight [N, K], scale [N] or [1]).T (+ bias), in x's dtype."""
     w = (weight.float() * scale.float().reshape(-1, 1)).to(x.dtype)
     return F.linear(x, w, bias)
+
+
+# --- int8 weights and int8 activations in blocks of 64 (the CPU VNNI kernel's arithmetic) ---
+INT8_BLOCK = 64
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset-binary uint8 weight [N, Kp], float32 scale [N, Kp / 64]): each block of 64 weights
+    of a row is ``(w_u8 - 128) * scale`` with a symmetric scale (llama.cpp's Q8_0 with 64-blocks);
+    Kp is K rounded up to 64, padded with 128 (zero)."""
+    w = weight.float()
+    n, k = w.shape
+    kp = -(-k // INT8_BLOCK) * INT8_BLOCK
+    blocks = F.pad(w, (0, kp - k)).view(n, kp // INT8_BLOCK, INT8_BLOCK)
+    scale = (blocks.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    q = torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128
+    return q.to(torch.uint8).view(n, kp).contiguous(), scale.contiguous()
+
+
+def quantize_activation(x: torch.Tensor, kp: int, block: int) -> torch.Tensor:
+    """x [M, K] as the CPU kernels see it: rounded to int8 per block (one symmetric scale per
+    block) and dequantized back, in float32, zero-padded to kp columns."""
+    m, k = x.shape
+    xf = F.pad(x.float(), (0, kp - k)).view(m, kp // block, block)
+    s = xf.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(s > 0, torch.round(xf / torch.where(s > 0, s, 1)), 0)
+    return (q * s).view(m, kp)
+
+
+def int8_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ dequantize(weight [N, Kp], scale [N, Kp / 64]).T (+ bias), x quantized like the kernel."""
+    k, kp = x.shape[-1], weight.shape[1]
+    xq = quantize_activation(x.reshape(-1, k), kp, INT8_BLOCK)
+    w = (weight.float() - 128) * scale.repeat_interleave(INT8_BLOCK, dim=1)
+    y = xq @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# --- 4-bit weights (llama.cpp's Q4_1: d * q + m per block of 32) with int8 activations in blocks of 32 ---
+INT4_BLOCK = 32
+
+
+def quantize_int4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, Kp / 2], scale d [N, Kp / 32], min m [N, Kp / 32]), float32 scales, with
+    each weight ``~= d * q + m``, q in 0..15 (Q4_1's rule: m = block min, d = (max - min) / 15, so
+    the dequantized values of a Q4_1 tensor come back exactly). Kp is K rounded up to 64; in each
+    64-chunk of a row, byte j holds element j in its low nibble and element j + 32 in its high one."""
+    w = weight.float()
+    n, k = w.shape
+    kp = -(-k // 64) * 64
+    blocks = F.pad(w, (0, kp - k)).view(n, kp // INT4_BLOCK, INT4_BLOCK)
+    lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    d = (hi - lo) / 15
+    q = torch.where(d[..., None] > 0, torch.round((blocks - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]), 0)
+    q = q.clamp(0, 15).to(torch.uint8).view(n, kp // 64, 2, 32)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kp // 2)
+    return packed.contiguous(), d.contiguous(), lo.contiguous()
+
+
+def dequantize_int4_weight(packed: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] float32 weights of `quantize_int4_weight`'s output."""
+    n, half = packed.shape
+    p = packed.view(n, half // 32, 32)
+    q = torch.stack([p & 0x0F, p >> 4], dim=2).reshape(n, half * 2 // INT4_BLOCK, INT4_BLOCK).float()
+    return (q * scale[..., None] + minv[..., None]).view(n, half * 2)
+
+
+def int4_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ dequantize(weight, scale, min).T (+ bias), x quantized like the kernel (blocks of 32)."""
+    k, kp = x.shape[-1], weight.shape[1] * 2
+    xq = quantize_activation(x.reshape(-1, k), kp, INT4_BLOCK)
+    y = xq @ dequantize_int4_weight(weight, scale, minv).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rivulet.distributed import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from rivulet.distributed import (get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce,
+                                 tensor_parallel_reduce_scatter)
 from rivulet.layers.linear import default_weight_loader
 
 
@@ -36,17 +39,25 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = torch.where(outside, 0, input_ids - self.vocab_start)
         y = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
+        if self.parallel.sp:  # sequence parallel: the layers start from this rank's token shard
+            return tensor_parallel_reduce_scatter(y, self.parallel)
         return tensor_parallel_all_reduce(y, self.parallel)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to vocabulary logits; may share its weight with the embedding."""
 
+    quantizable = True  # layers.quantization may give it a compact weight copy
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, vocab] in float32."""
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.quant is None else self.quant(hidden, self.weight, None)
         logits = tensor_parallel_all_gather(logits, self.parallel)
         return logits[:, : self.num_embeddings].float()

@@ -7,11 +7,14 @@ With one rank every split is the whole tensor.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rivulet.distributed import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from rivulet.distributed import (get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce,
+                                 tensor_parallel_reduce_scatter)
 
 
 def _divide(a: int, b: int) -> int:
@@ -27,6 +30,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
+    quantizable = True  # layers.quantization may give it a compact weight copy
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -36,16 +40,23 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) through the quantized weight when there is one."""
+        return F.linear(x, self.weight, bias) if self.quant is None else self.quant(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
     """The same full weight on every rank (e.g. a MoE router)."""
+
+    quantizable = False  # a router's small errors flip expert choices; it is tiny anyway
 
 
 class ColumnParallelLinear(LinearBase):
@@ -62,7 +73,7 @@ class ColumnParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tensor_parallel_all_gather(y, self.parallel) if self.gather_output else y
 
 
@@ -134,7 +145,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.reduce_results:
-            y = tensor_parallel_all_reduce(y, self.parallel)
+        y = self.matmul(x, None)
+        if self.reduce_results:  # sequence parallel: keep this rank's token shard of the sum
+            y = (tensor_parallel_reduce_scatter if self.parallel.sp else tensor_parallel_all_reduce)(y, self.parallel)
         return y + self.bias if self.bias is not None else y

@@ -7,11 +7,17 @@ metadata; MoE models (moe.py) reuse everything here and swap the MLP.
 
 from __future__ import annotations
 
-from typing import Iterable
+import dataclasses
+import re
+import time
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
+from rivulet.config import RivuletError
+from rivulet.distributed import get_parallel_state, padded_tokens, pipeline_recv, pipeline_send
+from rivulet.distributed import sequence_parallel_all_gather
 from rivulet.kernels import AttentionMetadata
 from rivulet.layers.activation import SiluAndMul
 from rivulet.layers.attention import Attention
@@ -60,8 +66,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """With sequence parallelism, `x` and `residual` are this rank's token shard; the norms run on it
+    and the shard is all-gathered before attention and the MLP (whose last linear reduce-scatters)."""
+
     def __init__(self, cfg: ArchConfig, mlp: nn.Module) -> None:
         super().__init__()
+        self.parallel = get_parallel_state()
         self.self_attn = LlamaAttention(cfg)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -74,24 +84,113 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
+        if self.parallel.sp:
+            x = sequence_parallel_all_gather(x, self.parallel, positions.shape[0])
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
+        if self.parallel.sp:
+            x = sequence_parallel_all_gather(x, self.parallel, positions.shape[0])
         return self.mlp(x), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """Stands for a module that lives on another pipeline stage (keeps layer indices and names)."""
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers [start, end) of pipeline stage `pp_rank`: an even split, earlier stages get fewer."""
+    return pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size
+
+
 class LlamaModel(nn.Module):
+    """Under pipeline parallelism a stage builds only its layers (others are `PPMissingLayer`s), the
+    embedding on the first stage and the final norm on the last; the hidden states and the residual
+    of every token go to the next stage as one [2, T, hidden] tensor."""
+
     def __init__(self, cfg: ArchConfig, make_mlp: "callable[[int], nn.Module]") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_mlp(i)) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.parallel = ps = get_parallel_state()
+        n = cfg.num_hidden_layers
+        if n < ps.pp_size:
+            raise RivuletError(f"pipeline_parallel_size {ps.pp_size} exceeds the model's {n} layers")
+        self.start_layer, self.end_layer = stage_layers(n, ps.pp_rank, ps.pp_size)
+        self.hidden_size, self.dtype = cfg.hidden_size, torch.get_default_dtype()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if ps.is_first_stage else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_mlp(i)) if self.start_layer <= i < self.end_layer
+                                    else PPMissingLayer() for i in range(n))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
+        self.stage_busy_s = 0.0  # pipeline: this stage's compute time, waiting for the previous stage excluded
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states [T, hidden] on the last stage; None on the others (sent on instead)."""
+        ps = self.parallel
+        if ps.pp_size == 1:
+            return self._stage(input_ids, positions, meta, None)
+        # pipeline: the step's sequences in micro-batches; a stage sends one on (asynchronously) and
+        # starts the next while the following stage works on the first
+        outs, pending = [], []
+        for q0, q1, sub in micro_batches(meta, ps.pp_micro_batches):
+            t = q1 - q0
+            received = None
+            if not ps.is_first_stage:
+                rows = padded_tokens(t, ps) // ps.tp_size if ps.sp else t
+                received = pipeline_recv((2, rows, self.hidden_size), self.dtype, input_ids.device, ps)
+            start = time.perf_counter()
+            out = self._stage(input_ids[q0:q1], positions[q0:q1], sub, received)
+            self.stage_busy_s += time.perf_counter() - start
+            if ps.is_last_stage:
+                outs.append(out)
+            else:
+                buf = out.contiguous()  # type: ignore[union-attr]
+                pending.append((pipeline_send(buf, ps, async_op=True), buf))
+        for work, _ in pending:
+            work.wait()
+        return torch.cat(outs) if len(outs) > 1 else (outs[0] if outs else None)
+
+    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               received: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers on one (micro-)batch: the final hidden states on the last stage, else
+        [2, rows, hidden] (hidden + residual) for the next one."""
+        ps = self.parallel
+        if received is None:
+            x, residual = self.embed_tokens(input_ids), None  # type: ignore[misc]
+        else:
+            x, residual = received.unbind(0)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
+        if not ps.is_last_stage:
+            return torch.stack([x, residual])
+        x, _ = self.norm(x, residual)  # type: ignore[misc]
+        if ps.sp:
+            x = sequence_parallel_all_gather(x, ps, input_ids.shape[0])
         return x
+
+
+def micro_batches(meta: AttentionMetadata, m: int) -> list[tuple[int, int, AttentionMetadata]]:
+    """Split a step's sequences into at most `m` contiguous groups of about equal token counts:
+    (first token, end token, the group's attention metadata) each."""
+    qsl, n = meta.query_start_loc_cpu, meta.num_seqs
+    m = max(1, min(m, n))
+    if m == 1:
+        return [(0, qsl[-1], meta)]
+    bounds, total = [0], qsl[-1]
+    for g in range(1, m):
+        target = total * g / m
+        s = min(range(bounds[-1] + 1, n - (m - g) + 1), key=lambda i: abs(qsl[i] - target))
+        bounds.append(s)
+    bounds.append(n)
+    out = []
+    for s0, s1 in zip(bounds, bounds[1:]):
+        q0, q1 = qsl[s0], qsl[s1]
+        lens = meta.seq_lens_cpu[s0:s1]
+        sub = dataclasses.replace(
+            meta, slot_mapping=meta.slot_mapping[q0:q1], block_tables=meta.block_tables[s0:s1],
+            query_start_loc=meta.query_start_loc[s0:s1 + 1] - q0, seq_lens=meta.seq_lens[s0:s1],
+            query_start_loc_cpu=[q - q0 for q in qsl[s0:s1 + 1]], seq_lens_cpu=list(lens),
+            max_query_len=max(b - a for a, b in zip(qsl[s0:s1], qsl[s0 + 1:s1 + 1])), max_seq_len=max(lens),
+            backend_cache={})
+        out.append((q0, q1, sub))
+    return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -108,8 +207,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, self.make_mlp)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.parallel.is_last_stage else None
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie(self.model.embed_tokens)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
@@ -120,9 +219,26 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        return self.lm_head.compute_logits(hidden)  # type: ignore[union-attr]
+
+    def stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage holds (all of them with one stage); a last stage
+        without the embedding takes a tied LM head from the embedding tensor."""
+        m = self.model
+        for name, tensor in weights:
+            if (layer := re.match(r"model\.layers\.(\d+)\.", name)) and not (
+                    m.start_layer <= int(layer.group(1)) < m.end_layer):
+                continue
+            if name.startswith("model.embed_tokens.") and m.embed_tokens is None:
+                if self.config.tie_word_embeddings and self.lm_head is not None:
+                    yield "lm_head.weight", tensor
+                continue
+            if (name.startswith("model.norm.") and m.norm is None) or (name.startswith("lm_head.") and self.lm_head is None):
+                continue
+            yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into the parameters; returns those loaded."""
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
-        return load_named_weights(self, weights, self.stacked_params, skip=skip)
+        tied = self.config.tie_word_embeddings and self.model.embed_tokens is not None
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if tied else ())
+        return load_named_weights(self, self.stage_weights(weights), self.stacked_params, skip=skip)

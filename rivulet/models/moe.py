@@ -62,7 +62,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 else:
                     yield name, tensor
 
-        return loaded | super().load_weights(dense(weights))
+        return loaded | super().load_weights(dense(self.stage_weights(weights)))
 
 
 class MixtralForCausalLM(MoeForCausalLM):

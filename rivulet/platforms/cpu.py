@@ -36,3 +36,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> str:
         return "cpu"
+
+    def kernel_backend(self) -> str:
+        """"cpu": the C++ kernels of `rivulet.kernels.cpu` (the references where they are missing)."""
+        return "cpu"

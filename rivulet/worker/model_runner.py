@@ -8,7 +8,7 @@ import torch
 
 from rivulet.config import CacheConfig, ModelConfig, RivuletError
 from rivulet.core.outputs import SchedulerOutput
-from rivulet.distributed import get_tp_size
+from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
 from rivulet.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from rivulet.models.loader import ModelSource, load_model
@@ -53,7 +53,7 @@ class ModelRunner:
         # graphs need kernels that skip padding slots and never sync (the Triton ones), and one rank
         self.use_cuda_graphs = (self.platform.name == "cuda" and not model_config.enforce_eager
                                 and self.platform.kernel_backend() == self.platform.attention_backend() == "triton"
-                                and get_tp_size() == 1)
+                                and get_parallel_state().world_size == 1)
         self.cuda_graphs: DecodeGraphs | None = None
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
 
@@ -146,6 +146,8 @@ class ModelRunner:
             offset += n
         batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
         hidden = self._run_model(batch)
+        if hidden is None:  # a pipeline stage before the last: it sent its hidden states on
+            return result
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in rows], device=self.device)])
             self._sample([st for st, _ in rows], logits, result)

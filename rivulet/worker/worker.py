@@ -5,19 +5,22 @@ Rank 0 lives in the engine's process (driven by `MultiprocExecutor`); ranks 1..N
 `python -m rivulet.worker.worker RANK WORLD_SIZE INIT_METHOD` with the EngineConfig on stdin.
 Every rank runs the same step on the same SchedulerOutput; the LM head's all-gather gives all
 ranks identical logits and identically seeded samplers, so their persistent batches stay equal.
+With pipeline parallelism only the last stage samples: it broadcasts the step's output to every
+rank, and the earlier stages append the sampled tokens to their own batches.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rivulet.config import EngineConfig
-from rivulet.distributed import init_distributed
+from rivulet.distributed import get_comm_stats, init_distributed, reset_comm_stats
 from rivulet.models.loader import ModelSource, resolve_model
 from rivulet.platforms import current_platform
 from rivulet.worker.model_runner import ModelRunner
@@ -27,11 +30,68 @@ class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, rank: int, world_size: int, init_method: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.rank = rank
-        init_distributed(rank, world_size, init_method, current_platform().dist_backend)
+        pc = config.parallel
+        self.state = init_distributed(rank, world_size, init_method, current_platform().dist_backend,
+                                      pipeline_parallel_size=pc.pipeline_parallel_size,
+                                      sequence_parallel=pc.enable_sequence_parallel,
+                                      expert_parallel=pc.enable_expert_parallel,
+                                      replicated_experts=tuple(pc.replicated_experts or ()),
+                                      pp_micro_batches=pc.pipeline_micro_batches)
         self.runner = ModelRunner(config.model, config.cache, source)
+        self.step_time_s, self.steps = 0.0, 0
 
     def call(self, method: str, args: tuple) -> Any:
+        if method == "execute":
+            return self.execute(*args)
+        if method == "gather":
+            return self.gather(*args)
         return getattr(self.runner, method)(*args)
+
+    def execute(self, out: Any) -> Any:
+        start = time.perf_counter()
+        result = self.runner.execute(out)
+        st = self.state
+        if st.pp_size > 1 and not out.is_empty:
+            last = st.world_size - st.tp_size  # rank 0 of the last stage's tensor-parallel group
+            box = [result if self.rank == last else None]
+            dist.broadcast_object_list(box, src=last)
+            if not st.is_last_stage:
+                result = box[0]
+                for rid, toks in result.sampled_token_ids.items():
+                    self.runner.batch.requests[rid].token_ids.extend(toks)
+        self.step_time_s += time.perf_counter() - start
+        self.steps += 1
+        return result
+
+    def local_stats(self, name: str) -> Any:
+        """This rank's statistics: "comm" (bytes per collective kind), "pipeline" (step and busy
+        seconds), "experts" (per MoE layer: tokens per expert, rows per rank), "reset" (clear them)."""
+        model = self.runner.model
+        moes = [m for m in model.modules() if hasattr(m, "expert_counts")]
+        if name == "comm":
+            return get_comm_stats()
+        if name == "pipeline":
+            busy = getattr(getattr(model, "model", None), "stage_busy_s", 0.0)
+            return {"rank": self.rank, "pp_rank": self.state.pp_rank, "tp_rank": self.state.tp_rank,
+                    "steps": self.steps, "step_s": self.step_time_s, "busy_s": busy}
+        if name == "experts":
+            return [{"expert_counts": m.expert_counts.tolist(), "rank_load": m.rank_load.tolist(),
+                     "cross_rows": int(m.cross_rows), "local_experts": list(m.local_experts)} for m in moes]
+        if name == "reset":
+            reset_comm_stats()
+            self.step_time_s, self.steps = 0.0, 0
+            if hasattr(model, "model"):
+                model.model.stage_busy_s = 0.0
+            for m in moes:
+                m.reset_load_stats()
+            return None
+        raise ValueError(f"unknown statistics {name!r}")
+
+    def gather(self, name: str) -> list[Any]:
+        """Every rank's `local_stats(name)`, in rank order (on every rank)."""
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, self.local_stats(name))
+        return out
 
     @staticmethod
     def broadcast_command(command: tuple | None) -> tuple:

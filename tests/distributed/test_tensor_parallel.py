@@ -34,9 +34,8 @@ def test_tiny_models_tp_equals_single_rank(kind, tp, tiny_model_dir):
         llm.shutdown()
 
 
-def test_default_model_tp3_and_clear_error_for_tp2():
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    want = _tokens(LLM(dtype="float32", max_model_len=256), prompts)
+def test_default_model_tp3_and_clear_error_for_tp2(default_reference):
+    prompts, want, _ = default_reference
     llm = LLM(dtype="float32", max_model_len=256, tensor_parallel_size=3)
     try:
         assert _tokens(llm, prompts) == want

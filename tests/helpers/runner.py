@@ -12,8 +12,10 @@ from rivulet.worker.batch import SeqChunk
 from rivulet.worker.model_runner import ModelRunner
 
 
-def make_runner(model: str | Path, dtype: str = "float32", num_blocks: int = 128, block_size: int = 4) -> ModelRunner:
-    r = ModelRunner(ModelConfig(model=str(model), dtype=dtype), CacheConfig(block_size=block_size), resolve_model(str(model)))
+def make_runner(model: str | Path, dtype: str = "float32", num_blocks: int = 128, block_size: int = 4,
+                quantization: str | None = None) -> ModelRunner:
+    r = ModelRunner(ModelConfig(model=str(model), dtype=dtype, quantization=quantization),  # type: ignore[arg-type]
+                    CacheConfig(block_size=block_size), resolve_model(str(model)))
     r.allocate_kv_cache(num_blocks)
     return r
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -10,15 +11,17 @@ import pytest
 
 from rivulet.kernels import fused_add_rms_norm_ref, get_op, rms_norm_ref
 from rivulet.kernels.attention import get_attention_backend
+from rivulet.kernels.moe import topk_routing_ref
 from rivulet.kernels.ops import op_names, register_op
 from rivulet.platforms import CpuPlatform, CudaPlatform
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def test_cpu_uses_the_references():
-    assert CpuPlatform().kernel_backend() == "torch"
+def test_cpu_uses_its_kernels_and_falls_back_to_the_references():
+    assert CpuPlatform().kernel_backend() == "cpu"
     assert CpuPlatform().attention_backend() == "cpu"
+    assert get_op("topk_routing", "cpu") is topk_routing_ref  # no CPU kernel: the reference
     assert get_op("rms_norm", "torch") is rms_norm_ref
     assert get_op("fused_add_rms_norm", "no-such-backend") is fused_add_rms_norm_ref  # falls back
 
@@ -45,8 +48,9 @@ def test_register_op():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_every_op_has_a_triton_version():
+    cpu_only = {"int8_linear", "int4_linear"}  # the VNNI weight-only path; GPUs use fp8
     for name in op_names():
-        if name.startswith("test_only"):
+        if name.startswith("test_only") or name in cpu_only:
             continue
         impl = get_op(name, "triton")
         assert impl.__module__.startswith("rivulet.kernels.triton."), name
@@ -56,3 +60,32 @@ def test_importing_rivulet_does_not_import_triton():
     code = "import sys, rivulet, rivulet.models.llama, rivulet.worker.model_runner; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_every_cpu_kernel_is_registered():
+    from rivulet.kernels.cpu import ops as cpu_ops
+
+    for name in ("rms_norm", "fused_add_rms_norm", "apply_rotary", "write_kv_cache", "int8_linear",
+                 "int4_linear"):
+        assert get_op(name, "cpu") is getattr(cpu_ops, name), name
+
+
+def test_without_the_cpu_extension_the_references_run():
+    """No compiler (or RIVULET_DISABLE_CPU_EXT=1): the "cpu" backend hands out the references and a
+    quantized model still runs, through the reference arithmetic of the same kernels."""
+    code = (
+        "import torch\n"
+        "from rivulet.kernels import get_op, rms_norm_ref\n"
+        "from rivulet.kernels.cpu import ops\n"
+        "from rivulet.kernels.quant import int4_linear_ref, quantize_int4_weight\n"
+        "from rivulet.layers.quantization import WeightOnly\n"
+        "assert not ops.AVAILABLE and get_op('rms_norm', 'cpu') is rms_norm_ref\n"
+        "assert get_op('int4_linear', 'cpu') is int4_linear_ref\n"
+        "w = torch.randn(8, 64); x = torch.randn(2, 64)\n"
+        "y = WeightOnly('int4', w)(x, w, None)\n"
+        "assert torch.allclose(y, int4_linear_ref(x, *quantize_int4_weight(w))), y\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "RIVULET_DISABLE_CPU_EXT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.runner import make_runner
+from helpers.runner import make_runner, teacher_forced_logits
 from rivulet.engine.tokenizer import load_tokenizer
 from rivulet.models.loader import resolve_model
 from rivulet.worker.batch import SeqChunk
@@ -78,21 +78,44 @@ def test_greedy_float32_matches_transformers(prompts, reference):
                 break  # after a near-tie the continuations legitimately diverge
 
 
-def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
-    """bf16 next-token agreement and log-probability error, teacher-forced on the fp32 continuations."""
-    runner = make_runner("default", "bfloat16", num_blocks=64, block_size=16)
+def _agreement(runner, prompts, reference, one_token_steps: bool) -> tuple[float, float, int]:
+    """(top-1 agreement, mean |dlogprob| of the reference token, steps), teacher-forced on the fp32
+    continuations: the whole sequence in one prefill, or the prompt then one token per step (the
+    decode path, where small-batch kernels such as int8 run)."""
     agree = total = 0
     dlp = []
     for ids, (ref_toks, ref_logits) in zip(prompts, reference):
         seq = ids + ref_toks
-        logits = runner.forward([SeqChunk(seq, 0, list(range(64)))], all_logits=True)[len(ids) - 1 : -1]
+        if one_token_steps:
+            logits = teacher_forced_logits(runner, seq[:-1], [len(ids)], list(range(64)))[len(ids) - 1:]
+        else:
+            logits = runner.forward([SeqChunk(seq, 0, list(range(64)))], all_logits=True)[len(ids) - 1 : -1]
         agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
         total += len(ref_toks)
-        lp, ref_lp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        lp, ref_lp = logits.float().log_softmax(-1), ref_logits.log_softmax(-1)
         idx = torch.tensor(ref_toks)[:, None]
         dlp.append((lp.gather(1, idx) - ref_lp.gather(1, idx)).abs().flatten())
-    rate, mean_dlp = agree / total, torch.cat(dlp).mean().item()
+    return agree / total, torch.cat(dlp).mean().item(), total
+
+
+def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
+    """bf16 next-token agreement and log-probability error, teacher-forced on the fp32 continuations."""
+    runner = make_runner("default", "bfloat16", num_blocks=64, block_size=16)
+    rate, mean_dlp, total = _agreement(runner, prompts, reference, one_token_steps=False)
     with capsys.disabled():
         print(f"\nbf16 vs fp32 on the default model: top-1 agreement {rate:.4f} over {total} steps, "
               f"mean |dlogprob| {mean_dlp:.4f}")
     assert rate >= 0.9 and mean_dlp < 0.15
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_decode_agrees_with_float32(method, prompts, reference, capsys):
+    """The weight-only int8/int4 paths (bf16 activations, decode steps) against the fp32 reference.
+    int4 holds the file's Q4_1 weights exactly, so its cost is the int8 activations and bf16."""
+    runner = make_runner("default", "bfloat16", num_blocks=64, block_size=16, quantization=method)
+    assert runner.model.lm_head.quant is not None  # the path under test is really taken
+    rate, mean_dlp, total = _agreement(runner, prompts, reference, one_token_steps=True)
+    with capsys.disabled():
+        print(f"\n{method} (bf16 activations) vs fp32 on the default model: top-1 agreement {rate:.4f} over "
+              f"{total} decode steps, mean |dlogprob| {mean_dlp:.4f}")
+    assert rate >= 0.85 and mean_dlp < 0.25

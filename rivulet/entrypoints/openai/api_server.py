@@ -194,10 +194,17 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the command line asks for."""
     return EngineConfig(
         model=ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
-                          load_format=a.load_format, seed=a.seed),
+                          load_format=a.load_format, seed=a.seed, quantization=getattr(a, "quantization", None)),
         cache=CacheConfig(kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=getattr(a, "tensor_parallel_size", 1)),
+        parallel=ParallelConfig(
+            tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
+            pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
+            enable_sequence_parallel=getattr(a, "enable_sequence_parallel", False),
+            enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
+            replicated_experts=getattr(a, "replicated_experts", None),
+            distributed_executor_backend=getattr(a, "distributed_executor_backend", None),
+            pipeline_micro_batches=getattr(a, "pipeline_micro_batches", None)),
     )
 
 

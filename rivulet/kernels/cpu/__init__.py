@@ -1,0 +1,58 @@
+"""C++ CPU kernels, compiled on first use for the machine they run on (`-O3 -march=native`).
+
+`load_cpu_ext()` returns the compiled module, or None when no C++ compiler is available (callers
+then use the PyTorch reference). The build is cached under ~/.cache/rivulet/cpu_ext/<hash> (or
+$RIVULET_CACHE_DIR), keyed by the sources and the torch version, so it is compiled once per
+machine (~30 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp"]
+_LOCK = threading.Lock()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RIVULET_CACHE_DIR") or Path.home() / ".cache" / "rivulet"
+    return Path(root) / "cpu_ext"
+
+
+@lru_cache(maxsize=1)
+def load_cpu_ext() -> ModuleType | None:
+    """The compiled kernels, or None (no compiler, or the build failed: logged once)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if os.environ.get("RIVULET_DISABLE_CPU_EXT") == "1":
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler found: CPU int8 kernels are unavailable, using PyTorch ops")
+        return None
+    here = Path(__file__).parent
+    sources = [str(here / s) for s in _SOURCES]
+    h = hashlib.sha256(torch.__version__.encode())
+    for s in sources:
+        h.update(Path(s).read_bytes())
+    build = cache_dir() / h.hexdigest()[:16]
+    build.mkdir(parents=True, exist_ok=True)
+    with _LOCK:
+        try:
+            return cpp_extension.load(
+                name="rivulet_cpu_ext", sources=sources, build_directory=str(build),
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
+            logger.warning("building the CPU kernels failed (%s); using PyTorch ops", str(e).splitlines()[-1:])
+            return None

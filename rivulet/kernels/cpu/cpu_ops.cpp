@@ -1,0 +1,245 @@
+// Fused elementwise ops and decode attention for CPUs. Each is one call where the PyTorch
+// reference (rivulet/kernels/*.py) takes several; the numbers are the reference's (float32 math,
+// rounded to the input dtype where the reference rounds).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T> inline float f32(T v) { return static_cast<float>(v); }
+
+#ifdef __AVX512F__
+// 16 lanes of float from float or bf16 memory; lanes outside `mask` are zero.
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+#endif
+
+// sum_d q[d] * k[d], q in float.
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = tail_mask(D - d);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), load16(k + d, m), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += q[d] * f32(k[d]);
+  return acc;
+#endif
+}
+
+// acc[d] += p * v[d], acc in float.
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int64_t D) {
+#ifdef __AVX512F__
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = tail_mask(D - d);
+    _mm512_mask_storeu_ps(acc + d, m, _mm512_fmadd_ps(pv, load16(v + d, m), _mm512_maskz_loadu_ps(m, acc + d)));
+  }
+#else
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * f32(v[d]);
+#endif
+}
+
+template <typename F>
+void dispatch(const torch::Tensor& t, const char* name, F&& f) {
+  if (t.scalar_type() == torch::kFloat32) f(float{});
+  else if (t.scalar_type() == torch::kBFloat16) f(at::BFloat16{});
+  else TORCH_CHECK(false, name, ": float32 or bfloat16 expected, got ", t.scalar_type());
+}
+
+// out = weight * round_T(x * rsqrt(mean(x^2) + eps)); x already in float.
+template <typename T>
+inline void norm_row(const float* x, const T* w, T* out, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / H + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(x[i] * r)));
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t H = xc.size(-1), R = xc.numel() / H;
+  dispatch(xc, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    auto w = weight.to(xc.scalar_type()).contiguous();
+    const T* xp = xc.data_ptr<T>(); const T* wp = w.data_ptr<T>(); T* op = out.data_ptr<T>();
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(H);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < H; ++i) buf[i] = f32(xp[r * H + i]);
+        norm_row<T>(buf.data(), wp, op + r * H, H, float(eps));
+      }
+    });
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  auto xc = x.contiguous(), rc = residual.contiguous();
+  TORCH_CHECK(xc.sizes() == rc.sizes() && xc.scalar_type() == rc.scalar_type(), "fused_add_rms_norm: x/residual");
+  auto out = torch::empty_like(xc), res = torch::empty_like(xc);
+  const int64_t H = xc.size(-1), R = xc.numel() / H;
+  dispatch(xc, "fused_add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    auto w = weight.to(xc.scalar_type()).contiguous();
+    const T* xp = xc.data_ptr<T>(); const T* rp = rc.data_ptr<T>(); const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>(); T* sp = res.data_ptr<T>();
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(H);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t i = 0; i < H; ++i) {
+          const T s = static_cast<T>(f32(xp[r * H + i]) + f32(rp[r * H + i]));  // the reference adds in T
+          sp[r * H + i] = s;
+          buf[i] = f32(s);
+        }
+        norm_row<T>(buf.data(), wp, op + r * H, H, float(eps));
+      }
+    });
+  });
+  return {out, res};
+}
+
+// Rotate q [T, Hq, D] and k [T, Hk, D] (last dim contiguous) by cos_sin_cache[positions]
+// ([max_pos, rot] float32: cos then sin halves). Returns new contiguous tensors.
+std::vector<torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
+                                        torch::Tensor cache, bool interleaved) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "apply_rotary: q/k [T, H, D]");
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous(), "apply_rotary: float32 cache");
+  auto pos = positions.to(torch::kLong).contiguous();
+  auto qo = torch::empty(q.sizes(), q.options()), ko = torch::empty(k.sizes(), k.options());
+  const int64_t T = q.size(0), D = q.size(2), rot = cache.size(1), half = rot / 2;
+  dispatch(q, "apply_rotary", [&](auto tag) {
+    using TT = decltype(tag);
+    const int64_t* pp = pos.data_ptr<int64_t>(); const float* cp = cache.data_ptr<float>();
+    auto one = [&](const torch::Tensor& src, torch::Tensor& dst, int64_t t, const float* cs) {
+      const int64_t H = src.size(1);
+      const TT* s0 = src.data_ptr<TT>() + t * src.stride(0);
+      TT* d0 = dst.data_ptr<TT>() + t * dst.stride(0);
+      for (int64_t h = 0; h < H; ++h) {
+        const TT* s = s0 + h * src.stride(1); TT* d = d0 + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          // the reference rounds cos/sin to the activation dtype and each product to it too
+          const float c = f32(static_cast<TT>(cs[i])), sn = f32(static_cast<TT>(cs[half + i]));
+          const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+          const float x1 = f32(s[a]), x2 = f32(s[b]);
+          const float p1 = f32(static_cast<TT>(x1 * c)), p2 = f32(static_cast<TT>(x2 * sn));
+          const float p3 = f32(static_cast<TT>(x2 * c)), p4 = f32(static_cast<TT>(x1 * sn));
+          d[a] = static_cast<TT>(p1 - p2);
+          d[b] = static_cast<TT>(p3 + p4);
+        }
+        for (int64_t i = rot; i < D; ++i) d[i] = s[i];
+      }
+    };
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* cs = cp + pp[t] * rot;
+        one(q, qo, t, cs);
+        one(k, ko, t, cs);
+      }
+    });
+  });
+  return {qo, ko};
+}
+
+// Store key/value [T, Hk, D] into kv_cache [2, num_blocks, block_size, Hk, D] at slot_mapping.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && key.scalar_type() == kv_cache.scalar_type(), "write_kv_cache: cache");
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t T = key.size(0), Hk = key.size(1), D = key.size(2);
+  const int64_t plane = kv_cache.numel() / 2, row = Hk * D;
+  dispatch(key, "write_kv_cache", [&](auto tag) {
+    using TT = decltype(tag);
+    TT* c = kv_cache.data_ptr<TT>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      if (sp[t] < 0) continue;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const TT* ks = key.data_ptr<TT>() + t * key.stride(0) + h * key.stride(1);
+        const TT* vs = value.data_ptr<TT>() + t * value.stride(0) + h * value.stride(1);
+        TT* kd = c + sp[t] * row + h * D; TT* vd = c + plane + sp[t] * row + h * D;
+        for (int64_t i = 0; i < D; ++i) { kd[i] = ks[i]; vd[i] = vs[i]; }
+      }
+    }
+  });
+}
+
+// Decode attention: one query token per listed sequence. query [T, Hq, D]; out [T, Hq, D] is
+// written at `rows`; seqs[i] indexes block_tables/seq_lens. fp32 softmax; GQA by head groups.
+void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, torch::Tensor rows, torch::Tensor seqs, torch::Tensor out,
+                      double scale, int64_t sliding_window) {
+  TORCH_CHECK(kv_cache.is_contiguous() && out.is_contiguous() && query.stride(2) == 1, "decode_attention: layouts");
+  auto bt = block_tables.to(torch::kInt).contiguous();
+  auto sl = seq_lens.to(torch::kInt).contiguous();
+  auto rw = rows.to(torch::kLong).contiguous(), sq = seqs.to(torch::kLong).contiguous();
+  const int64_t S = rw.numel(), Hq = query.size(1), D = query.size(2);
+  const int64_t bs = kv_cache.size(2), Hk = kv_cache.size(3), G = Hq / Hk, plane = kv_cache.numel() / 2;
+  const int64_t maxb = bt.size(1);
+  dispatch(query, "decode_attention", [&](auto tag) {
+    using TT = decltype(tag);
+    TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "decode_attention: cache dtype");
+    const TT* cache = kv_cache.data_ptr<TT>();
+    at::parallel_for(0, S * Hk, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<float> qf(G * D), acc(G * D), sc;
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t i = w / Hk, h = w % Hk, row = rw.data_ptr<int64_t>()[i], s = sq.data_ptr<int64_t>()[i];
+        const int64_t L = sl.data_ptr<int>()[s];
+        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
+        const int* table = bt.data_ptr<int>() + s * maxb;
+        for (int64_t g = 0; g < G; ++g) {
+          const TT* qp = query.data_ptr<TT>() + row * query.stride(0) + (h * G + g) * query.stride(1);
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qp[d]);
+        }
+        sc.assign(G * (L - start), 0.f);
+        const int64_t n = L - start;
+        for (int64_t t = start; t < L; ++t) {
+          const TT* kp = cache + ((int64_t)table[t / bs] * bs + t % bs) * Hk * D + h * D;
+          for (int64_t g = 0; g < G; ++g) sc[g * n + (t - start)] = dot(qf.data() + g * D, kp, D) * float(scale);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = sc.data() + g * n;
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - mx); sum += sg[j]; }
+          const float inv = 1.f / sum;
+          for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+        }
+        for (int64_t t = start; t < L; ++t) {
+          const TT* vp = cache + plane + ((int64_t)table[t / bs] * bs + t % bs) * Hk * D + h * D;
+          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, sc[g * n + (t - start)], vp, D);
+        }
+        TT* op = out.data_ptr<TT>();
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) op[(row * Hq + h * G + g) * D + d] = static_cast<TT>(acc[g * D + d]);
+      }
+    });
+  });
+}
+
+void register_cpu_ops(py::module& m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("apply_rotary", &apply_rotary);
+  m.def("write_kv_cache", &write_kv_cache);
+  m.def("decode_attention", &decode_attention);
+}

@@ -1,0 +1,62 @@
+"""The CPU kernel backend: the compiled ops of `rivulet.kernels.cpu` behind the reference
+signatures, or the references themselves when the extension could not be built."""
+
+from __future__ import annotations
+
+import torch
+
+from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from rivulet.kernels.quant import int4_linear_ref, int8_linear_ref
+from rivulet.kernels.rotary import apply_rotary_ref
+
+_ext = load_cpu_ext()
+AVAILABLE = _ext is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _ext.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, res = _ext.fused_add_rms_norm(x, residual, weight, eps)
+    return out, res
+
+
+ROTARY_MAX_ROWS = 16  # the C++ loop is scalar: beyond this PyTorch's vectorized ops win
+
+
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.shape[0] > ROTARY_MAX_ROWS:
+        return apply_rotary_ref(positions, q, k, cos_sin_cache, interleaved)
+    qo, ko = _ext.apply_rotary(positions, q, k, cos_sin_cache, interleaved)
+    return qo, ko
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _ext.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    k = x.shape[-1]
+    return _ext.int8_linear(x.reshape(-1, k), weight, scale, bias).reshape(*x.shape[:-1], -1)
+
+
+def int4_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    k = x.shape[-1]
+    return _ext.int4_linear(x.reshape(-1, k), weight, scale, minv, bias).reshape(*x.shape[:-1], -1)
+
+
+if not AVAILABLE:  # same names, reference arithmetic
+    rms_norm, fused_add_rms_norm = rms_norm_ref, fused_add_rms_norm_ref  # noqa: F811
+    apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
+    int4_linear = int4_linear_ref  # noqa: F811

@@ -1,0 +1,235 @@
+// Weight-only quantized linears for CPUs: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias).
+//
+// Each row of x is quantized on the fly to int8 in blocks (one scale per block, like llama.cpp's
+// Q8 activations), so the inner loop is one AVX512-VNNI `vpdpbusd` (u8 x s8) per 64
+// multiply-adds, with float scaling once per block:
+//
+// int8:  W stored offset-binary (u8 = s8 + 128), one float scale per block of 64 of a row (Q8_0):
+//          dot_b = sum_k u8(W)[n,k] * xq[k] = sum_k s8(W)[n,k] xq[k] + 128 * xsum[b]
+//          y[n]  = sum_b ws[n,b] * sx[b] * (dot_b - 128 * xsum[b])
+// int4:  W = d * q + m with q in 0..15, d and m per block of 32 of a row (llama.cpp's Q4_1, so a
+//        Q4_1 GGUF tensor is represented exactly); two nibbles per byte, byte j of each 64-chunk
+//        holding elements j (low nibble) and j + 32 (high nibble):
+//          y[n]  = sum_b sx[b] * (d[n,b] * dot(q, xq)_b + m[n,b] * xsum[b])
+// Without AVX512-VNNI scalar loops compute the same numbers.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define RIVULET_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 64;   // bytes of activations per vpdpbusd
+constexpr int64_t kRowTile = 4;  // rows of x sharing each weight load
+
+struct QuantRow {
+  std::vector<int8_t> q;    // [K padded to kChunk]
+  std::vector<float> scale;  // [num_blocks]
+  std::vector<float> sum;    // [num_blocks] sum of q over the block
+};
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t Kp, int64_t block, QuantRow& out) {
+  const int64_t nb = Kp / block;
+  out.q.assign(Kp, 0);
+  out.scale.assign(nb, 0.f);
+  out.sum.assign(nb, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
+    float amax = 0.f;
+    for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+    const float s = amax / 127.f;
+    int32_t sum = 0;
+    for (int64_t k = k0; k < k1; ++k) {
+      const int32_t v = s > 0.f ? static_cast<int32_t>(std::nearbyint(to_float(x[k]) / s)) : 0;
+      out.q[k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.scale[b] = s;
+    out.sum[b] = static_cast<float>(sum);
+  }
+}
+
+// A weight format: its block size, bytes per 64-chunk, and the dot of one weight row with R
+// activation rows.
+struct Int8Format {
+  static constexpr int64_t kBlock = 64;
+  const uint8_t* w; const float* ws; int64_t row_bytes, nb;
+
+  template <int R>
+  void dot(int64_t n, const QuantRow* xr, float* out) const {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* s = ws + n * nb;
+    float corr[R] = {};
+#ifdef RIVULET_VNNI
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512i wv = _mm512_loadu_si512(wr + b * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xr[r].q.data() + b * 64));
+        const float c = s[b] * xr[r].scale[b];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(c), acc[r]);
+        corr[r] += c * 128.f * xr[r].sum[b];
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - corr[r];
+#else
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t d = 0;
+        for (int64_t k = 0; k < 64; ++k) d += int32_t(wr[b * 64 + k]) * int32_t(xr[r].q[b * 64 + k]);
+        acc += s[b] * xr[r].scale[b] * (float(d) - 128.f * xr[r].sum[b]);
+      }
+      out[r] = acc;
+    }
+    (void)corr;
+#endif
+  }
+};
+
+struct Int4Format {
+  static constexpr int64_t kBlock = 32;
+  const uint8_t* w; const float* wd; const float* wm; int64_t row_bytes, nb;
+
+  template <int R>
+  void dot(int64_t n, const QuantRow* xr, float* out) const {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* d = wd + n * nb;
+    const float* m = wm + n * nb;
+    float corr[R] = {};
+#ifdef RIVULET_VNNI
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t c = 0; c < nb / 2; ++c) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c * 32));
+      const __m256i lo = _mm256_and_si256(packed, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // elements 0..63 in order
+      for (int r = 0; r < R; ++r) {
+        const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xr[r].q.data() + c * 64));
+        const float s0 = xr[r].scale[2 * c], s1 = xr[r].scale[2 * c + 1];
+        // lanes 0-7 hold block 2c, lanes 8-15 block 2c + 1
+        const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(d[2 * c] * s0), _mm256_set1_ps(d[2 * c + 1] * s1), 1);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), sv, acc[r]);
+        corr[r] += m[2 * c] * s0 * xr[r].sum[2 * c] + m[2 * c + 1] * s1 * xr[r].sum[2 * c + 1];
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + corr[r];
+#else
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dp = 0;
+        for (int64_t k = 0; k < 32; ++k) {
+          const int64_t e = b * 32 + k, byte = (e / 64) * 32 + (e % 32);
+          const int32_t q = (e % 64) < 32 ? (wr[byte] & 0x0F) : (wr[byte] >> 4);
+          dp += q * int32_t(xr[r].q[e]);
+        }
+        acc += xr[r].scale[b] * (d[b] * float(dp) + m[b] * xr[r].sum[b]);
+      }
+      out[r] = acc;
+    }
+    (void)corr;
+#endif
+  }
+};
+
+template <typename T, typename Fmt>
+torch::Tensor run(const torch::Tensor& x_in, const Fmt& fmt, int64_t N, int64_t Kp, const c10::optional<torch::Tensor>& bias) {
+  auto x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  auto bb = has_bias ? bias->to(x.scalar_type()).contiguous() : torch::Tensor();
+  const T* xp = x.data_ptr<T>(); const T* bp = has_bias ? bb.data_ptr<T>() : nullptr; T* yp = y.data_ptr<T>();
+  std::vector<QuantRow> xq(M);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, Kp, Fmt::kBlock, xq[m]);
+  });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float tile[kRowTile];
+    for (int64_t n = n0; n < n1; ++n) {
+      const float b = bp ? to_float(bp[n]) : 0.f;
+      int64_t m = 0;
+      for (; m + kRowTile <= M; m += kRowTile) {
+        fmt.template dot<kRowTile>(n, xq.data() + m, tile);
+        for (int r = 0; r < kRowTile; ++r) yp[(m + r) * N + n] = static_cast<T>(tile[r] + b);
+      }
+      for (; m < M; ++m) {
+        fmt.template dot<1>(n, xq.data() + m, tile);
+        yp[m * N + n] = static_cast<T>(tile[0] + b);
+      }
+    }
+  });
+  return y;
+}
+
+template <typename Fmt>
+torch::Tensor dispatch(const torch::Tensor& x, const Fmt& fmt, int64_t N, int64_t Kp,
+                       const c10::optional<torch::Tensor>& bias) {
+  if (x.scalar_type() == torch::kBFloat16) return run<at::BFloat16>(x, fmt, N, Kp, bias);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quantized linear: x must be float32 or bfloat16");
+  return run<float>(x, fmt, N, Kp, bias);
+}
+
+void check_x(const torch::Tensor& x, int64_t Kp) {
+  TORCH_CHECK(x.dim() == 2, "quantized linear: x must be [M, K]");
+  TORCH_CHECK(Kp % kChunk == 0 && Kp >= x.size(1) && Kp < x.size(1) + kChunk, "quantized linear: padded width ", Kp,
+              " does not fit K=", x.size(1));
+}
+
+}  // namespace
+
+// w [N, Kp] uint8 (Kp = K rounded up to 64, padding 128); w_scale [N, Kp / 64] float32.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "int8_linear: w [N, Kp] uint8");
+  const int64_t N = w.size(0), Kp = w.size(1);
+  check_x(x, Kp);
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.is_contiguous() && w_scale.numel() == N * (Kp / 64),
+              "int8_linear: w_scale [N, Kp/64] float32");
+  Int8Format fmt{w.data_ptr<uint8_t>(), w_scale.data_ptr<float>(), Kp, Kp / 64};
+  return dispatch(x, fmt, N, Kp, bias);
+}
+
+// w [N, Kp / 2] uint8 (two 4-bit values per byte); scale, min [N, Kp / 32] float32.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minv,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "int4_linear: w [N, Kp/2] uint8");
+  const int64_t N = w.size(0), Kp = w.size(1) * 2;
+  check_x(x, Kp);
+  for (const auto* t : {&scale, &minv})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == N * (Kp / 32),
+                "int4_linear: scale/min [N, Kp/32] float32");
+  Int4Format fmt{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), minv.data_ptr<float>(), Kp / 2, Kp / 32};
+  return dispatch(x, fmt, N, Kp, bias);
+}
+
+bool has_vnni() {
+#ifdef RIVULET_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+void register_cpu_ops(py::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_cpu_ops(m);
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear (VNNI)", py::arg("x"), py::arg("w"),
+        py::arg("w_scale"), py::arg("bias") = py::none());
+  m.def("int4_linear", &int4_linear, "weight-only 4-bit (Q4_1-style) linear (VNNI)", py::arg("x"), py::arg("w"),
+        py::arg("scale"), py::arg("minv"), py::arg("bias") = py::none());
+  m.def("has_vnni", &has_vnni);
+}

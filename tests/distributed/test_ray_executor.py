@@ -1,0 +1,38 @@
+"""The Ray executor on a local Ray cluster: TP=2 gives exactly the single-rank greedy tokens, and a
+killed actor is reported. Skipped where Ray is not installed (it is an optional extra)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rivulet import LLM, RivuletError, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_ray_tp2_equals_single_rank_and_dead_actor(tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32", max_model_len=128)
+            .generate(prompts, GREEDY, use_tqdm=False)]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2,
+                  distributed_executor_backend="ray")
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+            assert got == want
+            ex = llm.engine.core.executor
+            assert type(ex).__name__ == "RayExecutor" and len(ex.actors) == 1
+            ray.kill(ex.actors[0])
+            with pytest.raises((RivuletError, RuntimeError), match="exited|closed|Connection"):
+                for _ in range(50):  # the kill lands asynchronously
+                    llm.generate(prompts[0], GREEDY, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,138 @@
+"""The C++ CPU kernels (`rivulet.kernels.cpu`) against their PyTorch references, float32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rivulet.kernels import paged_attention_ref
+from rivulet.kernels.attention import paged_attention_cpu, write_kv_cache_ref
+from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from rivulet.kernels.quant import int8_linear_ref, quantize_int8_weight
+from rivulet.kernels.rotary import apply_rotary_ref, rope_cos_sin_cache
+from rivulet.worker.batch import SeqChunk, build_flat_batch
+
+ext = load_cpu_ext()
+pytestmark = pytest.mark.skipif(ext is None, reason="no C++ compiler on this machine (the references run instead)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def ulp_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: equal to rounding; bf16: within one bf16 step of the value."""
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 5, 24)])
+def test_rms_norms(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x, r = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1)
+    w = randn(shape[-1], dtype=dtype, seed=2)
+    ulp_close(ext.rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), dtype)
+    out, res = ext.fused_add_rms_norm(x, r, w, 1e-5)
+    want_out, want_res = fused_add_rms_norm_ref(x, r, w, 1e-5)
+    ulp_close(res, want_res, dtype)
+    ulp_close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d,rot", [(64, 64), (24, 24), (128, 64)])  # full and partial rotary
+def test_rotary(dtype: torch.dtype, interleaved: bool, d: int, rot: int) -> None:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cache = rope_cos_sin_cache(inv_freq, 512)
+    qkv = randn(9, (4 + 2 * 2) * d, dtype=dtype)  # q/k are strided views of a fused projection
+    q, k, _ = qkv.split([4 * d, 2 * d, 2 * d], dim=-1)
+    q, k = q.reshape(9, 4, d), k.reshape(9, 2, d)
+    pos = torch.tensor([0, 1, 2, 100, 511, 7, 3, 3, 250])
+    got_q, got_k = ext.apply_rotary(pos, q, k, cache, interleaved)
+    want_q, want_k = apply_rotary_ref(pos, q, k, cache, interleaved)
+    ulp_close(got_q, want_q, dtype)
+    ulp_close(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_skips_negative_slots(dtype: torch.dtype) -> None:
+    cache, want = torch.zeros(2, 6, 4, 3, 8, dtype=dtype), torch.zeros(2, 6, 4, 3, 8, dtype=dtype)
+    k, v = randn(5, 3, 8, dtype=dtype), randn(5, 3, 8, dtype=dtype, seed=1)
+    slots = torch.tensor([3, 17, -1, 0, 22])
+    ext.write_kv_cache(k, v, cache, slots)
+    keep = slots >= 0
+    write_kv_cache_ref(k[keep], v[keep], want, slots[keep])
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None) -> None:
+    bs = 4
+    spec = [(20, 1), (0, 1), (3, 4), (47, 1), (16, 1)]  # decodes around a prefill chunk
+    g = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-(c + n) // bs) for c, n in spec) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    chunks = []
+    for cached, new in spec:
+        nb = -(-(cached + new) // bs)
+        chunks.append(SeqChunk([0] * new, cached, perm[:nb]))
+        perm = perm[nb:]
+    meta = build_flat_batch(chunks, bs, torch.device("cpu")).meta
+    cache = randn(2, num_blocks, bs, hk, d, dtype=dtype, seed=1)
+    q = randn(len(meta.slot_mapping), hq, d, dtype=dtype, seed=2)
+    got = paged_attention_cpu(q, cache, meta, d**-0.5, window)
+    want = paged_attention_ref(q, cache, meta, d**-0.5, window)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])  # below, at and across the kernel's 4-row tile
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])  # K not a multiple of 64 too
+def test_int8_linear_matches_reference(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    w = randn(n, k, dtype=torch.float32, seed=3) * 0.1
+    wq, scale = quantize_int8_weight(w)
+    x, bias = randn(m, k, dtype=dtype, seed=4), randn(n, dtype=dtype, seed=5)
+    for b in (None, bias):
+        got = ext.int8_linear(x, wq, scale, b)
+        want = int8_linear_ref(x, wq, scale, b)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    # and the quantization itself costs little against the float matmul
+    exact = x.float() @ w.t()
+    assert ((ext.int8_linear(x, wq, scale, None).float() - exact).abs().max() / exact.abs().max()) < 0.03
+
+
+def test_int4_quantization_round_trips_q4_1_values() -> None:
+    """Weights already on a Q4_1 grid (d * q + m per block of 32, q spanning 0..15) come back exactly."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 8, 128
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # llama.cpp's rule puts the block min at 0 and max at 15
+    d, m = torch.rand(n, k // 32, 1, generator=g) * 0.1, torch.randn(n, k // 32, 1, generator=g) * 0.1
+    w = (q * d + m).view(n, k)
+    from rivulet.kernels.quant import dequantize_int4_weight, quantize_int4_weight
+
+    torch.testing.assert_close(dequantize_int4_weight(*quantize_int4_weight(w)), w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 4, 6])
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])
+def test_int4_linear_matches_reference(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    from rivulet.kernels.quant import int4_linear_ref, quantize_int4_weight
+
+    w = randn(n, k, dtype=torch.float32, seed=3) * 0.1
+    packed, scale, minv = quantize_int4_weight(w)
+    x, bias = randn(m, k, dtype=dtype, seed=4), randn(n, dtype=dtype, seed=5)
+    for b in (None, bias):
+        got = ext.int4_linear(x, packed, scale, minv, b)
+        want = int4_linear_ref(x, packed, scale, minv, b)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    exact = x.float() @ w.t()
+    assert ((ext.int4_linear(x, packed, scale, minv, None).float() - exact).abs().max() / exact.abs().max()) < 0.15
