@@ -101,7 +101,7 @@ if want 4; then
     # It has no ignore_eos: min_tokens (a logits processor) keeps every request at --output-len tokens.
     log "4 llama.cpp server (llama-cpp-python, no-amx=$LLAMACPP_NO_AMX)"
     "$LLAMACPP_PY" "${PEER[@]}" serve "${NOAMX[@]}" --model "$GGUF" --n_ctx 8192 --port "$LCPP_PORT" --host 127.0.0.1 \
-        --n_threads "$THREADS" --n_threads_batch "$THREADS" --interrupt_requests False \
+        --n_threads "$THREADS" --n_threads_batch "$THREADS" --interrupt_requests False --verbose False \
         > "$OUT/llamacpp_serve.log" 2>&1 &
     LPID=$!
     trap 'stop $LPID' EXIT

@@ -1,14 +1,13 @@
 """The Ray executor on a local Ray cluster: TP=2 gives exactly the single-rank greedy tokens, and a
-killed actor is reported. Skipped where Ray is not installed (it is an optional extra)."""
+killed actor is reported. Ray is an optional extra of Rivulet and part of the test extra."""
 
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from rivulet import LLM, RivuletError, SamplingParams
-
-ray = pytest.importorskip("ray")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
