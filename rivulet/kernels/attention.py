@@ -89,78 +89,15 @@ def _sequence_attention(
     return o.transpose(0, 1)
 
 
-@dataclass
-class _DecodePlan:
-    """What every layer's CPU attention needs about the step's decode tokens, built once per step."""
-
-    rows: torch.Tensor  # [S] flat-batch row of each decode token
-    seqs: torch.Tensor  # [S] the sequence (index into block_tables / seq_lens) of each decode token
-    block_ids: torch.Tensor  # [S * n] the pages of each decode sequence, padded to n pages
-    mask: torch.Tensor  # [S, 1, 1, n * block_size] which keys each decode token may see
-    prefill: list[int]  # sequences with more than one query token
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> _DecodePlan:
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-        n = -(-max((lens[i] for i in decode), default=0) // block_size)
-        seq_lens = torch.tensor([lens[i] for i in decode])[:, None]
-        k_pos = torch.arange(n * block_size)[None, :]
-        mask = k_pos < seq_lens
-        if sliding_window is not None:
-            mask &= k_pos > seq_lens - 1 - sliding_window
-        tables = meta.block_tables[torch.tensor(decode, dtype=torch.long), :n].long().flatten()
-        prefill = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
-        return cls(torch.tensor([qsl[i] for i in decode]), torch.tensor(decode, dtype=torch.long), tables,
-                   mask[:, None, None, :], prefill)
-
-
-def paged_attention_cpu(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """The CPU backend: all decode tokens of the step in one call (the C++ kernel reading the pages
-    in place, or without it one SDPA over the gathered pages padded to the longest); prefill chunks
-    one sequence at a time through SDPA."""
-    _, num_blocks, block_size, hk, d = kv_cache.shape
-    key = ("cpu_decode", sliding_window)
-    plan = meta.backend_cache.get(key)
-    if plan is None:
-        plan = meta.backend_cache[key] = _DecodePlan.build(meta, block_size, sliding_window)
-    out = torch.empty_like(query)
-    s = len(plan.rows)
-    ext = _cpu_ext()
-    if s and ext is not None and query.dtype == kv_cache.dtype and query.dtype in (torch.float32, torch.bfloat16):
-        ext.decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, plan.rows, plan.seqs, out, scale,
-                             sliding_window or 0)
-    elif s:
-        pages = kv_cache.view(2, num_blocks, -1)
-        k = torch.index_select(pages[0], 0, plan.block_ids).view(s, -1, hk, d).transpose(1, 2)
-        v = torch.index_select(pages[1], 0, plan.block_ids).view(s, -1, hk, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(query[plan.rows][:, :, None, :], k.to(query.dtype), v.to(query.dtype),
-                                           attn_mask=plan.mask, scale=scale, enable_gqa=True)
-        out[plan.rows] = o[:, :, 0, :]
-    qsl = meta.query_start_loc_cpu
-    for i in plan.prefill:
-        out[qsl[i]:qsl[i + 1]] = _sequence_attention(query, kv_cache, meta, i, scale, sliding_window)
-    return out
-
-
-def _cpu_ext() -> Any:
-    from rivulet.kernels.cpu import load_cpu_ext
-
-    return load_cpu_ext()
-
-
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]
 
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref, "cpu": paged_attention_cpu}
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref}
 
-# backends imported on first use, so that importing Rivulet never requires Triton
-_LAZY_BACKENDS: dict[str, tuple[str, str]] = {"triton": ("rivulet.kernels.triton.attention", "paged_attention")}
+# backends imported on first use, so that importing Rivulet never requires Triton or a C++ build
+_LAZY_BACKENDS: dict[str, tuple[str, str]] = {
+    "cpu": ("rivulet.kernels.cpu.attention", "paged_attention_cpu"),
+    "triton": ("rivulet.kernels.triton.attention", "paged_attention"),
+}
 
 
 def get_attention_backend(name: str) -> AttentionFn:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rivulet.kernels import paged_attention_ref
-from rivulet.kernels.attention import paged_attention_cpu, write_kv_cache_ref
+from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.cpu.attention import paged_attention_cpu
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import int8_linear_ref, quantize_int8_weight

@@ -16,7 +16,7 @@ from rivulet.kernels import (
     topk_routing_ref,
     write_kv_cache_ref,
 )
-from rivulet.kernels.attention import paged_attention_cpu
+from rivulet.kernels.cpu.attention import paged_attention_cpu
 from rivulet.worker.batch import SeqChunk, build_flat_batch
 
 g = torch.Generator().manual_seed(0)
