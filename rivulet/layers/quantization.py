@@ -58,5 +58,7 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     for module in model.modules():
         if getattr(module, "quantizable", False) and getattr(module, "weight", None) is not None:
             module.quant = WeightOnly(method, module.weight)
+            for i, t in enumerate(module.quant.tensors):  # buffers, so that the platform can place them
+                module.register_buffer(f"quant_{i}", t, persistent=False)
             total += module.quant.nbytes
     return total

@@ -38,3 +38,10 @@ class Platform:
 
     def synchronize(self) -> None:
         pass
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A large long-lived zeroed buffer on this device (the KV cache)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def place_module(self, module: torch.nn.Module) -> None:
+        """Move a loaded model's tensors to where this platform reads them fastest (nothing by default)."""

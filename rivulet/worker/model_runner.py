@@ -44,6 +44,7 @@ class ModelRunner:
         self.cache_config = cache_config
         torch.manual_seed(model_config.seed)
         self.model, self.arch = load_model(model_config, source, self.dtype, self.device)
+        self.platform.place_module(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -83,7 +84,7 @@ class ModelRunner:
         bs = self.cache_config.block_size
         self.kv_caches = []
         for a in self.attn_layers:
-            cache = torch.zeros(2, num_blocks, bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+            cache = self.platform.zeros((2, num_blocks, bs, a.num_kv_heads, a.head_dim), self.dtype)
             a.kv_cache = cache
             self.kv_caches.append(cache)
         if self.use_cuda_graphs:

@@ -69,7 +69,7 @@ def test_write_kv_cache_skips_negative_slots(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (16, 1, 64), (4, 2, 80), (6, 3, 24)])  # G > 8; generic D
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None) -> None:
     bs = 4

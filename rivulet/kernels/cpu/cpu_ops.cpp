@@ -181,6 +181,120 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
   });
 }
 
+#ifdef __AVX512F__
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp of 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp on the
+// softmax's arguments, which are <= 0). Arguments below -87 give ~1e-38 instead of 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In place: sc[0..n) -> softmax(sc), float32.
+inline void softmax_row(float* sc, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(tail_mask(n - j), sc + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
+    _mm512_mask_storeu_ps(sc + j, k, e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    _mm512_mask_storeu_ps(sc + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + j), inv));
+  }
+}
+
+// One (sequence, kv head): the G query heads of the group [G, NV*16] (float) over context tokens
+// [start, L), read page by page in place. Each key and value row is loaded once for all G heads.
+template <typename TT, int NV>
+void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, const int* table, int64_t start,
+                  int64_t L, int64_t bs, int64_t page_stride, int64_t tok_stride, float scale, float* sc, float* out) {
+  constexpr int64_t D = NV * 16;
+  const int64_t n = L - start;
+  for (int64_t t = start; t < L;) {  // scores, page by page
+    const int64_t off = t % bs, m = std::min(bs - off, L - t);
+    const TT* kp = keys + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+    for (int64_t j = 0; j < m; ++j, kp += tok_stride) {
+      __m512 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = load16(kp + 16 * v);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * v), kv[v], a);
+        sc[g * n + (t + j - start)] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+    t += m;
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * n, n);
+  constexpr int64_t GB = 8;  // heads whose accumulators stay in registers while the values stream by
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t gn = std::min(GB, G - g0);
+    __m512 acc[GB][NV];
+    for (int64_t g = 0; g < GB; ++g)
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+    for (int64_t t = start; t < L;) {
+      const int64_t off = t % bs, m = std::min(bs - off, L - t);
+      const TT* vp = values + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+      for (int64_t j = 0; j < m; ++j, vp += tok_stride) {
+        __m512 vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = load16(vp + 16 * v);
+        const int64_t col = t + j - start;
+        for (int64_t g = 0; g < gn; ++g) {
+          const __m512 p = _mm512_set1_ps(sc[(g0 + g) * n + col]);
+          for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+        }
+      }
+      t += m;
+    }
+    for (int64_t g = 0; g < gn; ++g)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (g0 + g) * D + 16 * v, acc[g][v]);
+  }
+}
+
+template <typename TT>
+using DecodeGroupFn = void (*)(const float*, int64_t, const TT*, const TT*, const int*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, float, float*, float*);
+
+template <typename TT>
+DecodeGroupFn<TT> decode_group_for(int64_t D) {
+  switch (D) {
+    case 16: return decode_group<TT, 1>;
+    case 32: return decode_group<TT, 2>;
+    case 64: return decode_group<TT, 4>;
+    case 80: return decode_group<TT, 5>;
+    case 96: return decode_group<TT, 6>;
+    case 128: return decode_group<TT, 8>;
+    case 256: return decode_group<TT, 16>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+#endif
+
 // Decode attention: one query token per listed sequence. query [T, Hq, D]; out [T, Hq, D] is
 // written at `rows`; seqs[i] indexes block_tables/seq_lens. fp32 softmax; GQA by head groups.
 void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -197,6 +311,9 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
     using TT = decltype(tag);
     TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "decode_attention: cache dtype");
     const TT* cache = kv_cache.data_ptr<TT>();
+#ifdef __AVX512F__
+    const DecodeGroupFn<TT> fast = decode_group_for<TT>(D);
+#endif
     at::parallel_for(0, S * Hk, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> qf(G * D), acc(G * D), sc;
       for (int64_t w = w0; w < w1; ++w) {
@@ -208,25 +325,33 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
           const TT* qp = query.data_ptr<TT>() + row * query.stride(0) + (h * G + g) * query.stride(1);
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qp[d]);
         }
-        sc.assign(G * (L - start), 0.f);
         const int64_t n = L - start;
-        for (int64_t t = start; t < L; ++t) {
-          const TT* kp = cache + ((int64_t)table[t / bs] * bs + t % bs) * Hk * D + h * D;
-          for (int64_t g = 0; g < G; ++g) sc[g * n + (t - start)] = dot(qf.data() + g * D, kp, D) * float(scale);
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = sc.data() + g * n;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - mx); sum += sg[j]; }
-          const float inv = 1.f / sum;
-          for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-        }
-        for (int64_t t = start; t < L; ++t) {
-          const TT* vp = cache + plane + ((int64_t)table[t / bs] * bs + t % bs) * Hk * D + h * D;
-          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, sc[g * n + (t - start)], vp, D);
+        sc.assign(G * n, 0.f);
+#ifdef __AVX512F__
+        if (fast != nullptr) {
+          fast(qf.data(), G, cache + h * D, cache + plane + h * D, table, start, L, bs, bs * Hk * D, Hk * D,
+               float(scale), sc.data(), acc.data());
+        } else
+#endif
+        {
+          for (int64_t t = start; t < L; ++t) {
+            const TT* kp = cache + ((int64_t)table[t / bs] * bs + t % bs) * Hk * D + h * D;
+            for (int64_t g = 0; g < G; ++g) sc[g * n + (t - start)] = dot(qf.data() + g * D, kp, D) * float(scale);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t g = 0; g < G; ++g) {
+            float* sg = sc.data() + g * n;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+            float sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - mx); sum += sg[j]; }
+            const float inv = 1.f / sum;
+            for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+          }
+          for (int64_t t = start; t < L; ++t) {
+            const TT* vp = cache + plane + ((int64_t)table[t / bs] * bs + t % bs) * Hk * D + h * D;
+            for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, sc[g * n + (t - start)], vp, D);
+          }
         }
         TT* op = out.data_ptr<TT>();
         for (int64_t g = 0; g < G; ++g)

@@ -1,0 +1,36 @@
+"""Huge-page placement of the weights and the KV cache on CPU: same values, sharing kept."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rivulet.platforms.cpu import CpuPlatform, huge_page_bytes
+
+
+def test_huge_page_buffer_is_zeroed_and_aligned() -> None:
+    t = huge_page_bytes(5 << 20)
+    assert t.numel() == 5 << 20 and t.dtype == torch.uint8
+    assert t.data_ptr() % (2 << 20) == 0
+    assert int(t.count_nonzero()) == 0
+    kv = CpuPlatform().zeros((2, 3, 4, 5), torch.bfloat16)
+    assert kv.shape == (2, 3, 4, 5) and kv.dtype == torch.bfloat16 and not kv.any()
+    kv.fill_(1.5)
+    assert float(kv.sum()) == 1.5 * kv.numel()
+
+
+def test_place_module_keeps_values_and_tied_weights() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 10, bias=True))
+    m[1].weight = m[0].weight  # tied, as an LM head and its embedding
+    m.register_buffer("table", torch.arange(7, dtype=torch.float32), persistent=False)
+    before = {k: v.clone() for k, v in m.state_dict().items()} | {"table": m.table.clone()}
+    CpuPlatform().place_module(m)
+    after = dict(m.state_dict()) | {"table": m.table}
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert m[1].weight is m[0].weight
+    m[0].weight.data.add_(1)  # still one tensor: an update shows through both
+    assert torch.equal(m[1].weight, before["0.weight"] + 1)
+    ptrs = sorted(t.data_ptr() for t in [m[0].weight, m[1].bias, m.table])
+    assert ptrs[-1] - ptrs[0] < 1 << 20  # one arena
