@@ -41,8 +41,11 @@ class SchedulerOutput:
 
     ``num_scheduled_tokens`` maps request id -> tokens to compute this step; its
     insertion order is the batch order. The runner computes, for each request, the
-    tokens ``[num_computed_tokens, num_computed_tokens + n)`` and samples one token
-    for each request whose known tokens are then all computed.
+    tokens ``[num_computed_tokens, num_computed_tokens + n)`` and samples for each request
+    whose known tokens are then all computed (``sampling_request_ids``). A request in
+    ``scheduled_spec_tokens`` has its last ``k`` scheduled tokens given there (draft tokens,
+    not yet known): the runner returns the longest accepted prefix of them plus one token
+    (1..k+1 tokens), and the scheduler takes the rejected ones back.
     ``finished_request_ids`` (finished or aborted since the previous step) and
     ``preempted_request_ids`` must be dropped from the runner's persistent batch first.
     """
@@ -53,6 +56,8 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    sampling_request_ids: set[str] = field(default_factory=set)
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

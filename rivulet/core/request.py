@@ -49,8 +49,12 @@ class Request:
     ``eos_token_ids`` is empty when the user asked to ignore EOS.
     ``priority``: lower values are served first; ties go to the earlier ``arrival_time``.
     ``sampling_params`` is opaque here; it is only carried to the model runner.
-    ``num_computed_tokens`` counts tokens whose KV is in the cache (or being written
-    by the step in flight); it drops to 0 when the request is preempted.
+    ``num_computed_tokens`` counts tokens whose KV is in the cache or being written by a
+    step already scheduled (the scheduler advances it when it schedules); it drops to 0 when
+    the request is preempted. ``num_output_placeholders`` counts tokens that scheduled steps
+    will sample but that have not arrived yet (at most one per step in flight), so the
+    scheduler can schedule step N+1 before step N's tokens are known. ``spec_token_ids``
+    are draft tokens to verify in the next step (set by a proposer, consumed by schedule()).
     ``block_hashes`` is filled by the KV cache manager: the chained hash of each
     full block of ``all_token_ids`` (tokens never change, so neither do hashes).
     """
@@ -83,6 +87,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prefix-cache hit tokens; -1 until first scheduled

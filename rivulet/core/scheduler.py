@@ -30,6 +30,12 @@ class Scheduler:
     Use: ``add_request`` any time; each step ``out = schedule()``, run the model on
     ``out``, then ``update_from_output(out, sampled)`` -- call it even when ``out`` is
     empty, since it also delivers requests the scheduler finished with an error.
+
+    ``schedule()`` advances each scheduled request's ``num_computed_tokens`` and counts the
+    token the step will sample as a placeholder, so the next ``schedule()`` may come before
+    this step's ``update_from_output`` (async scheduling: at most one step in flight ahead of
+    the updates); a request whose in-flight token surely ends it (its last allowed token) is
+    not scheduled again. Called strictly in turn, it behaves as a synchronous scheduler.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -79,11 +85,15 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            self._remove_from_queue(req)
             self._release(req, status)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_finished_to_report(self) -> bool:
+        """Requests finished since the last schedule(), which the runner has yet to drop."""
+        return bool(self._finished_ids)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -115,20 +125,38 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Give each running request, in service order, a decode token or a prefill chunk.
+    def _remaining(self, req: Request) -> int:
+        """Tokens to compute before `req` samples again (1: a decode)."""
+        return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
 
-        Prefill chunks leave one token of budget for every decode behind them, so a
-        long prompt never holds back the decodes of other requests.
+    def _ends_in_flight(self, req: Request) -> bool:
+        """The token a step in flight will sample is `req`'s last allowed one."""
+        p = req.num_output_placeholders
+        return p > 0 and (req.num_output_tokens + p >= req.max_tokens
+                          or req.num_tokens + p >= self.config.max_model_len)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request, in service order, a decode token (plus its draft tokens)
+        or a prefill chunk.
+
+        Prefill chunks and draft tokens leave one token of budget for every decode behind
+        them, so a long prompt never holds back the decodes of other requests.
         """
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        decodes_left = sum(1 for r in self.running if self._remaining(r) == 1 and not self._ends_in_flight(r))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
+            if self._ends_in_flight(req):
+                i += 1
+                continue
+            remaining = self._remaining(req)
+            spec: list[int] = []
             if remaining == 1:
                 decodes_left -= 1
-                num_new = 1
+                if req.spec_token_ids and req.num_output_placeholders == 0:
+                    room = min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens)
+                    spec = req.spec_token_ids[:max(0, min(room - 1, budget - 1 - decodes_left))]
+                num_new = 1 + len(spec)
             else:
                 num_new = min(remaining, budget - decodes_left)
                 if num_new <= 0:
@@ -140,15 +168,27 @@ class Scheduler:
                 break  # req itself left the queue, and it was the last one
             if len(out.preempted_request_ids) != num_preempted:  # victims left from behind
                 decodes_left = sum(
-                    1 for r in self.running.after(i) if r.num_tokens - r.num_computed_tokens == 1
+                    1 for r in self.running.after(i) if self._remaining(r) == 1 and not self._ends_in_flight(r)
                 )
-            out.num_scheduled_tokens[req.request_id] = num_new
             out.cached_requests.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
             )
+            if spec:
+                out.scheduled_spec_tokens[req.request_id] = spec
+            self._scheduled(req, num_new, len(spec), out)
             budget -= num_new
             i += 1
         return budget
+
+    def _scheduled(self, req: Request, num_new: int, num_spec: int, out: SchedulerOutput) -> None:
+        """Record `num_new` tokens of `req` in this step and advance its progress."""
+        out.num_scheduled_tokens[req.request_id] = num_new
+        req.spec_token_ids = []
+        samples = req.num_computed_tokens + num_new - num_spec == req.num_tokens + req.num_output_placeholders
+        req.num_computed_tokens += num_new
+        if samples:
+            req.num_output_placeholders += 1
+            out.sampling_request_ids.add(req.request_id)
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, index: int, out: SchedulerOutput
@@ -174,6 +214,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a token still in flight: it arrives first
+                break
             if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
                 self.waiting.pop_front()
                 self._fail_too_big(req, req.num_tokens)
@@ -188,13 +230,13 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             self.running.add(req)
-            out.num_scheduled_tokens[req.request_id] = num_new
             out.new_requests.append(
                 NewRequestData(
                     req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                     kv.get_block_ids(req.request_id), num_hit, req.sampling_params,
                 )
             )
+            self._scheduled(req, num_new, 0, out)
             budget -= num_new
         return budget
 
@@ -241,25 +283,31 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[EngineCoreOutput]:
-        """Advance progress, append sampled tokens, apply stop conditions, free finished.
+        """Take a step's sampled tokens: append them, apply stop conditions, free finished.
 
-        ``sampled_token_ids`` needs entries only for requests whose known tokens are all
-        computed after this step; tokens given for a request mid-prefill are ignored.
+        ``sampled_token_ids`` needs entries for the step's ``sampling_request_ids`` (tokens
+        given for other requests are ignored): one token each, or for a request with draft
+        tokens the accepted drafts plus one. A request preempted after this step was
+        scheduled still takes its token (it was computed from the right KV).
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
+        for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or finished since the step was scheduled
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # mid-prefill: nothing sampled
+            if req is None or rid not in scheduler_output.sampling_request_ids:
+                continue  # finished or aborted since the step was scheduled, or mid-prefill
+            req.num_output_placeholders -= 1
             new_ids = sampled_token_ids.get(rid)
-            if not new_ids:  # a runner bug; finishing beats waiting forever
-                self._fail(req, f"request {rid!r}: the model runner returned no token")
+            spec = scheduler_output.scheduled_spec_tokens.get(rid, ())
+            if not new_ids or len(new_ids) > len(spec) + 1:  # a runner bug; finishing beats waiting forever
+                self._remove_from_queue(req)
+                got = f"{len(new_ids)} tokens for {len(spec)} drafts" if new_ids else "no token"
+                self._fail(req, f"request {rid!r}: the model runner returned {got}")
                 finished_any = True
                 continue
+            running = req.status == RequestStatus.RUNNING
+            if running:
+                req.num_computed_tokens -= len(spec) + 1 - len(new_ids)  # the rejected drafts' KV is void
             for k, token_id in enumerate(new_ids):
                 req.append_output_token_id(token_id)
                 if self._check_stop(req):
@@ -273,12 +321,17 @@ class Scheduler:
             )
             if req.status.is_finished:
                 finished_any = True
+                if not running:  # preempted meanwhile: it waits in the other queue
+                    self.waiting.remove(req)
                 self._release(req, req.status)
         if finished_any:
             self.running.retain(lambda r: r.status == RequestStatus.RUNNING)
         outputs.extend(self._error_outputs)
         self._error_outputs = []
         return outputs
+
+    def _remove_from_queue(self, req: Request) -> None:
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
 
     def _check_stop(self, req: Request) -> bool:
         """Set a finished status if the last token ends ``req``; EOS/stop ids wait for min_tokens."""

@@ -1,18 +1,34 @@
-"""EngineCore: the loop of scheduler.schedule() -> executor.execute() -> scheduler.update()."""
+"""EngineCore: the loop of scheduler.schedule() -> executor.execute() -> scheduler.update().
+
+With async scheduling (the default) a step runs in a worker thread while this thread schedules
+the next one and then processes the finished one's outputs:
+
+    main thread:    schedule N+1 | wait for N | update N, outputs of N -> caller | schedule N+2 | ...
+    worker thread:  ... execute N ............| execute N+1 ......................| execute N+2
+
+so the forward pass of step N+1 starts as soon as step N's ends, and the scheduler, the
+stop checks, detokenization and message encoding of step N overlap it. Step N+1 is scheduled
+before step N's tokens are known: each running request gets one token whose input is the one
+step N samples (the runner has it; the scheduler counts it as a placeholder). Greedy outputs
+are the synchronous loop's; a request that step N finishes wastes its slot in step N+1.
+With a draft-token proposer the loop runs synchronously (drafts need the last token).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.core import KVCacheManager, Request, Scheduler
-from rivulet.core.outputs import EngineCoreOutput
-from rivulet.core.request import RequestStatus
+from rivulet.core.outputs import EngineCoreOutput, SchedulerOutput
+from rivulet.core.request import Request, RequestStatus
 from rivulet.engine.tokenizer import eos_token_ids
 from rivulet.executor import make_executor
 from rivulet.models.loader import ModelSource
-from rivulet.worker.outputs import TokenLogprobs
+from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +82,25 @@ class EngineCore:
         # the tokenizer lives with the front end; the config files give the end-of-sequence ids here
         self.eos_token_ids = eos_token_ids(source, arch.eos_token_ids, None)
         self.executor.set_eos_token_ids(self.eos_token_ids)
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="rivulet-step")
+                      if config.scheduler.async_scheduling else None)
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        # draft tokens for a decoding request (k-token steps); set by speculative decoding or tests
+        self.proposer: Callable[[Request], list[int]] | None = None
 
     def model_info(self) -> ModelInfo:
         arch = self.executor.arch_config
         return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids))
 
     def shutdown(self) -> None:
+        if self._in_flight is not None:
+            try:
+                self._in_flight[1].result()
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                pass
+            self._in_flight = None
+        if self._pool is not None:
+            self._pool.shutdown()
         self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
@@ -84,12 +113,47 @@ class EngineCore:
         self.scheduler.finish_requests(ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests left, or a step still running (its outputs are due)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
-        result = self.executor.execute(sched)
+        """Outputs of one step: the one just run (synchronous), or the one that was in flight (async;
+        the first call of a run returns nothing and leaves its step running)."""
+        if self._pool is None or self.proposer is not None:
+            if self._in_flight is not None:  # switching to the synchronous loop: finish the step in flight
+                return self._finish(*self._take_in_flight())
+            self._propose()
+            sched = self.scheduler.schedule()
+            return self._finish(sched, self.executor.execute(sched))
+        nxt = None
+        if self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            nxt = (sched, self._pool.submit(self.executor.execute, sched))
+        if self._in_flight is None:
+            self._in_flight = nxt
+            return []
+        done = self._take_in_flight()
+        self._in_flight = nxt
+        return self._finish(*done)
+
+    def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        assert self._in_flight is not None
+        sched, fut = self._in_flight
+        self._in_flight = None
+        return sched, fut.result()
+
+    def _propose(self) -> None:
+        if self.proposer is None:
+            return
+        for req in self.scheduler.running:
+            if req.num_tokens - req.num_computed_tokens == 1 and not req.num_output_placeholders:
+                req.spec_token_ids = list(self.proposer(req))
+
+    def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
+                and self.scheduler.has_finished_to_report():
+            self.executor.execute(self.scheduler.schedule())  # idle now: the runner drops the last rows
         steps = [StepOutput(o, result.logprobs.get(o.request_id, []), result.prompt_logprobs.get(o.request_id))
                  for o in outputs]
         reported = {o.request_id for o in outputs}

@@ -39,6 +39,7 @@ class LLM:
         replicated_experts: list[int] | None = None,
         distributed_executor_backend: str | None = None,
         pipeline_micro_batches: int | None = None,
+        async_scheduling: bool = True,
     ) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,  # type: ignore[arg-type]
@@ -46,7 +47,8 @@ class LLM:
                               quantization=quantization),  # type: ignore[arg-type]
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      async_scheduling=async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                                     enable_sequence_parallel=enable_sequence_parallel,
                                     enable_expert_parallel=enable_expert_parallel,

@@ -22,6 +22,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="schedule each step only after the previous one finished (for debugging)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
@@ -103,7 +105,7 @@ def _make_llm(a: argparse.Namespace) -> Any:
                pipeline_parallel_size=a.pipeline_parallel_size, enable_sequence_parallel=a.enable_sequence_parallel,
                enable_expert_parallel=a.enable_expert_parallel, replicated_experts=a.replicated_experts,
                distributed_executor_backend=a.distributed_executor_backend,
-               pipeline_micro_batches=a.pipeline_micro_batches)
+               pipeline_micro_batches=a.pipeline_micro_batches, async_scheduling=a.async_scheduling)
 
 
 def _params(a: argparse.Namespace) -> Any:

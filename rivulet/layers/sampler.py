@@ -255,6 +255,14 @@ def gather_logprobs(
     return LogprobsTensors(sampled, ranks, top.indices, top.values)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's bitmask (int32 [rows, ceil(vocab / 32)]) has a 0 bit: bit j of word w is token 32w + j."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    return logits.masked_fill(~allowed, _NEG_INF)
+
+
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.logit_bias_rows is None:
         return logits

@@ -1,53 +1,206 @@
-"""The model runner's persistent view of the running requests, updated incrementally each step."""
+"""The persistent batch: each running request owns a row of preallocated numpy arrays.
+
+Rows are written when a request enters (its known tokens, blocks, sampling parameters), extended
+when the scheduler hands it new blocks and when it samples a token, and freed when it finishes or
+is preempted. Each step's flat batch (input ids, positions, slot mapping, block tables, query
+start locations, sequence lengths, logits indices) is then gathered from the rows of the scheduled
+requests by vectorized indexing: no per-token Python loop and no per-step list of lists.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from rivulet.core.outputs import SchedulerOutput
+from rivulet.core.outputs import NewRequestData, SchedulerOutput
+from rivulet.kernels import AttentionMetadata
 from rivulet.sampling_params import SamplingParams
+from rivulet.worker.batch import FlatBatch
+from rivulet.worker.sampling_state import SamplingState
 
 
 @dataclass
-class RequestState:
-    req_id: str
-    token_ids: list[int]  # prompt then outputs, as far as this runner knows them
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    generator: torch.Generator | None
+class StepInputs:
+    """One step gathered from the batch: the model's inputs and where each request sits in them."""
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    flat: FlatBatch  # logits_indices: the last scheduled token of each sampling request
+    req_ids: list[str]  # scheduled requests, in batch order
+    rows: np.ndarray  # [S] their batch rows
+    query_start: np.ndarray  # [S + 1] each request's first token in the flat batch
+    starts: np.ndarray  # [S] tokens already computed before this step
+    sample: np.ndarray  # [S] bool: the request reaches the end of its known tokens and samples
+    num_logits: np.ndarray  # [S] logits rows of each request: 0, 1, or 1 + its draft tokens
+    drafts: dict[int, list[int]]  # request index -> its draft tokens (the last scheduled tokens)
 
 
 class InputBatch:
-    """Requests enter once (with their prompt and blocks); later steps only send new block ids
-    and progress, and the runner appends the tokens it samples itself."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.requests: dict[str, RequestState] = {}
+    def __init__(self, block_size: int, vocab_size: int, device: torch.device, capacity: int = 8,
+                 max_len: int = 256, max_blocks: int = 16) -> None:
+        self.block_size, self.device = block_size, device
+        self.token_ids = np.zeros((capacity, max_len), np.int64)
+        self.num_tokens = np.zeros(capacity, np.int64)  # known tokens: prompt then outputs
+        self.num_prompt = np.zeros(capacity, np.int64)
+        self.num_computed = np.zeros(capacity, np.int64)  # with KV in the cache before the step
+        self.block_table = np.zeros((capacity, max_blocks), np.int32)
+        self.num_blocks = np.zeros(capacity, np.int64)
+        self.req_ids: list[str | None] = [None] * capacity
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self.sampling = SamplingState(capacity, vocab_size, device)
         # kept across preemption so a resumed seeded request continues its random stream
         self.generators: dict[str, torch.Generator] = {}
 
-    def update(self, out: SchedulerOutput) -> None:
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.req_ids)
+
+    # ---- rows in and out ----
+
+    def update(self, out: SchedulerOutput, eos_token_ids: set[int]) -> None:
+        """Apply a step's changes: drop finished and preempted rows, add new ones, extend the rest."""
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
         for rid in out.finished_request_ids | out.preempted_request_ids:
-            self.requests.pop(rid, None)
+            self.remove(rid)
         for new in out.new_requests:
-            params: SamplingParams = new.sampling_params or SamplingParams()
-            gen = self.generators.get(new.request_id)
-            if gen is None and params.seed is not None:
-                gen = self.generators[new.request_id] = torch.Generator(self.device).manual_seed(params.seed)
-            self.requests[new.request_id] = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens,
-                                                         list(new.block_ids), new.num_computed_tokens, params, gen)
-        for cached in out.cached_requests:
-            st = self.requests[cached.request_id]
-            st.block_ids.extend(cached.new_block_ids)
-            st.num_computed_tokens = cached.num_computed_tokens
+            self.add(new, eos_token_ids)
+        for c in out.cached_requests:
+            row = self.row_of[c.request_id]
+            self._append_blocks(row, c.new_block_ids)
+            self.num_computed[row] = c.num_computed_tokens
+
+    def add(self, new: NewRequestData, eos_token_ids: set[int]) -> int:
+        if new.request_id in self.row_of:
+            raise ValueError(f"request {new.request_id!r} is already in the batch")
+        if not self._free:
+            self._grow_rows(2 * self.capacity)
+        row = self._free.pop()
+        self.req_ids[row], self.row_of[new.request_id] = new.request_id, row
+        n = len(new.token_ids)
+        self._ensure_len(n + 1)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row], self.num_prompt[row] = n, new.num_prompt_tokens
+        self.num_computed[row], self.num_blocks[row] = new.num_computed_tokens, 0
+        self.block_table[row] = 0  # columns past a row's blocks are padding: block 0, never read
+        self._append_blocks(row, new.block_ids)
+        params: SamplingParams = new.sampling_params or SamplingParams()
+        gen = self.generators.get(new.request_id)
+        if gen is None and params.seed is not None:
+            gen = self.generators[new.request_id] = torch.Generator(self.device).manual_seed(params.seed)
+        p = new.num_prompt_tokens
+        self.sampling.set_row(row, params, list(new.token_ids[:p]), list(new.token_ids[p:]), eos_token_ids, gen)
+        return row
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        self.req_ids[row] = None
+        self.sampling.clear_row(row)
+        self._free.append(row)
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """One new token for each of `rows`."""
+        if len(rows) == 0:
+            return
+        self._ensure_len(int(self.num_tokens[rows].max()) + 1)
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def tokens(self, req_id: str) -> list[int]:
+        row = self.row_of[req_id]
+        return self.token_ids[row, : self.num_tokens[row]].tolist()
+
+    def params(self, row: int) -> SamplingParams:
+        p = self.sampling.params[row]
+        assert p is not None
+        return p
+
+    # ---- one step ----
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The flat batch of `out` (its requests must be in the batch: call `update` first)."""
+        req_ids = list(out.num_scheduled_tokens)
+        s = len(req_ids)
+        rows = np.fromiter((self.row_of[r] for r in req_ids), np.int64, s)
+        n = np.fromiter(out.num_scheduled_tokens.values(), np.int64, s)
+        qsl = np.zeros(s + 1, np.int64)
+        np.cumsum(n, out=qsl[1:])
+        t = int(qsl[-1])
+        starts = self.num_computed[rows]
+        seq_lens = starts + n
+        num_drafts = np.zeros(s, np.int64)
+        drafts: dict[int, list[int]] = {}
+        if out.scheduled_spec_tokens:
+            for i, rid in enumerate(req_ids):
+                d = out.scheduled_spec_tokens.get(rid)
+                if d:  # written after the known tokens, where the accepted ones will land
+                    row = int(rows[i])
+                    self._ensure_len(int(self.num_tokens[row]) + len(d) + 1)
+                    self.token_ids[row, self.num_tokens[row]:self.num_tokens[row] + len(d)] = d
+                    drafts[i], num_drafts[i] = list(d), len(d)
+        if (seq_lens > self.num_tokens[rows] + num_drafts).any() or \
+                ((num_drafts > 0) & (seq_lens != self.num_tokens[rows] + num_drafts)).any():
+            raise ValueError("a request is scheduled past its known tokens")
+        if (seq_lens > self.num_blocks[rows] * self.block_size).any():
+            raise ValueError("a request is scheduled past the blocks it holds")
+        tok_rows = np.repeat(rows, n)
+        positions = np.arange(t) - np.repeat(qsl[:-1] - starts, n)
+        input_ids = self.token_ids[tok_rows, positions]
+        bs = self.block_size
+        slots = self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(self.num_blocks[rows].max())
+        sample = seq_lens >= self.num_tokens[rows] + num_drafts
+        num_logits = np.where(sample, num_drafts + 1, 0)
+        cum = np.cumsum(num_logits)
+        logits_indices = np.repeat(qsl[1:] - cum, num_logits) + np.arange(int(cum[-1]))  # the last L of each
+        dev = self.device
+
+        def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
+
+        qsl_cpu, lens_cpu = qsl.tolist(), seq_lens.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(self.block_table[rows, :width], torch.int32),
+            query_start_loc=tensor(qsl, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
+            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()),
+        )
+        flat = FlatBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
+                         tensor(logits_indices, torch.int64))
+        return StepInputs(flat, req_ids, rows, qsl, starts, sample, num_logits, drafts)
+
+    # ---- growth ----
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        k, nb = len(block_ids), int(self.num_blocks[row])
+        if nb + k > self.block_table.shape[1]:
+            self.block_table = _widen(self.block_table, max(2 * self.block_table.shape[1], nb + k))
+        self.block_table[row, nb:nb + k] = block_ids
+        self.num_blocks[row] = nb + k
+
+    def _ensure_len(self, n: int) -> None:
+        if n > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, max(2 * self.token_ids.shape[1], n))
+
+    def _grow_rows(self, capacity: int) -> None:
+        old = self.capacity
+        for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros((capacity - old, *a.shape[1:]), a.dtype)]))
+        self.req_ids += [None] * (capacity - old)
+        self._free = list(range(capacity - 1, old - 1, -1)) + self._free
+        self.sampling.grow(capacity)
+
+
+def _widen(a: np.ndarray, width: int) -> np.ndarray:
+    out = np.zeros((a.shape[0], width), a.dtype)
+    out[:, : a.shape[1]] = a
+    return out

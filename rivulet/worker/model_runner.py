@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from rivulet.config import CacheConfig, ModelConfig, RivuletError
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
-from rivulet.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from rivulet.layers.sampler import Sampler, apply_token_bitmask, gather_logprobs
 from rivulet.models.loader import ModelSource, load_model
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
 from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
-from rivulet.worker.input_batch import InputBatch, RequestState
+from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        self.batch = InputBatch(self.device)
+        self.batch = InputBatch(cache_config.block_size, self.arch.vocab_size, self.device)
+        self._pending: tuple[StepInputs, torch.Tensor, torch.Tensor | None] | None = None
         self.eos_token_ids: set[int] = set(self.arch.eos_token_ids)  # the engine may add more
         self.max_model_len = model_config.max_model_len or self.arch.max_position_embeddings
         # graphs need kernels that skip padding slots and never sync (the Triton ones), and one rank
@@ -128,62 +130,122 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the scheduled tokens of every request and sample for those that reach the end
-        of their known tokens."""
-        self.batch.update(out)
-        result = ModelRunnerOutput()
+        """One whole step: `execute_model` then `sample_tokens`."""
+        self.execute_model(out)
+        return self.sample_tokens()
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Apply the step's batch changes and run the forward pass; returns the float32 logits of the
+        requests that sample (one row each, in batch order), or None when none does. `sample_tokens`
+        must follow before the next step."""
+        self.batch.update(out, self.eos_token_ids)
+        self._pending = None
         if out.is_empty:
-            return result
-        states = [self.batch.requests[rid] for rid in out.num_scheduled_tokens]
-        chunks, rows, prompt_rows = [], [], []
-        offset = 0
-        for st, n in zip(states, out.num_scheduled_tokens.values()):
-            start = st.num_computed_tokens
-            chunks.append(SeqChunk(st.token_ids[start:start + n], start, st.block_ids))
-            if start + n >= len(st.token_ids):
-                rows.append((st, offset + n - 1))
-            if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens:
-                prompt_rows.append((st, offset, start, n))
-            offset += n
-        batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
-        hidden = self._run_model(batch)
+            return None
+        step = self.batch.prepare(out)
+        hidden = self._run_model(step.flat)
         if hidden is None:  # a pipeline stage before the last: it sent its hidden states on
+            return None
+        logits = self.model.compute_logits(hidden[step.flat.logits_indices]) if step.sample.any() else None
+        self._pending = (step, hidden, logits)
+        return logits
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        """Sample the logits of the last `execute_model` and append the tokens to the batch.
+
+        `grammar_bitmask` (int32 [sampling rows, ceil(vocab / 32)], bit j of word w allows token 32w + j)
+        masks each row's disallowed tokens before sampling."""
+        result = ModelRunnerOutput()
+        if self._pending is None:
             return result
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in rows], device=self.device)])
-            self._sample([st for st, _ in rows], logits, result)
-        for st, off, start, n in prompt_rows:
-            self._prompt_logprobs(st, hidden[off:off + n], start, result)
+        step, hidden, logits = self._pending
+        self._pending = None
+        if logits is not None:
+            if grammar_bitmask is not None:
+                logits = apply_token_bitmask(logits, grammar_bitmask)
+            self._sample(step, logits, result)
+        lp_rows = self.batch.sampling.prompt_logprobs[step.rows]
+        for i in np.flatnonzero((lp_rows >= 0) & (step.starts < self.batch.num_prompt[step.rows])).tolist():
+            q0, q1 = int(step.query_start[i]), int(step.query_start[i + 1])
+            self._prompt_logprobs(step.req_ids[i], int(step.rows[i]), hidden[q0:q1], int(step.starts[i]), result)
         return result
 
-    def _sample(self, states: list[RequestState], logits: torch.Tensor, result: ModelRunnerOutput) -> None:
-        meta = SamplingMetadata.build(
-            [st.params for st in states], [st.token_ids[:st.num_prompt_tokens] for st in states],
-            [st.output_token_ids for st in states], [self.eos_token_ids] * len(states),
-            [self.batch.generators.get(st.req_id) for st in states], logits.shape[-1], self.device)
-        sampled = self.sampler(logits, meta)
-        ids = sampled.sampled_token_ids.tolist()
-        lp = sampled.logprobs
-        for row, (st, tok) in enumerate(zip(states, ids)):
-            st.token_ids.append(tok)
-            result.sampled_token_ids[st.req_id] = [tok]
-            if lp is not None and st.params.logprobs is not None:
-                k = st.params.logprobs
-                result.logprobs[st.req_id] = [TokenLogprobs(
-                    tok, float(lp.sampled_logprobs[row]), int(lp.sampled_ranks[row]),
-                    lp.topk_token_ids[row, :k].tolist(), lp.topk_logprobs[row, :k].tolist())]
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Take tokens sampled elsewhere (by the last pipeline stage) into this runner's batch."""
+        for rid, toks in sampled.items():
+            row = np.array([self.batch.row_of[rid]])
+            for tok in toks:
+                self.batch.append_tokens(row, np.array([tok]))
 
-    def _prompt_logprobs(self, st: RequestState, hidden: torch.Tensor, start: int, result: ModelRunnerOutput) -> None:
+    def _sample(self, step: StepInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """One token per sampling request; a request with k draft tokens has k + 1 logits rows, each
+        sampled with its own params, and keeps the drafts up to the first that differs from the token
+        sampled at its position, plus that token (exact for drafts that are plain token guesses: a
+        draft x is kept with probability p(x), and otherwise the sample is a draw from p without x)."""
+        batch = self.batch
+        idx = np.flatnonzero(step.sample)
+        counts = step.num_logits[idx]
+        rows = np.repeat(step.rows[idx], counts)
+        offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # j within a request
+        meta = batch.sampling.metadata(rows, batch.num_tokens[rows] - batch.num_prompt[rows] + offsets)
+        if step.drafts and meta.output_token_counts is not None:
+            self._count_drafts(step, idx, counts, rows, meta.output_token_counts)
+        sampled = self.sampler(logits, meta)
+        ids_np = sampled.sampled_token_ids.cpu().numpy()
+        req_ids = [step.req_ids[i] for i in idx.tolist()]
+        lp = sampled.logprobs
+        if not step.drafts:
+            batch.append_tokens(rows, ids_np)
+            batch.sampling.record(rows, sampled.sampled_token_ids)
+            keep = [(j, j + 1) for j in range(len(rows))]
+        else:
+            keep, start = [], 0
+            for i, n in zip(idx.tolist(), counts.tolist()):
+                got, draft = ids_np[start:start + n], step.drafts.get(i, [])
+                a = next((j for j, d in enumerate(draft) if got[j] != d), len(draft))
+                keep.append((start, start + a + 1))
+                start += n
+            take = np.concatenate([np.arange(a, b) for a, b in keep])
+            for j in take.tolist():  # in order: a request's accepted tokens follow each other
+                batch.append_tokens(rows[j:j + 1], ids_np[j:j + 1])
+            batch.sampling.record(rows[take], sampled.sampled_token_ids[torch.from_numpy(take)])
+        ids = ids_np.tolist()
+        for rid, (a, b) in zip(req_ids, keep):
+            result.sampled_token_ids[rid] = ids[a:b]
+        if lp is None:
+            return
+        for rid, (a, b) in zip(req_ids, keep):
+            k = int(batch.sampling.logprobs[rows[a]])
+            if k >= 0:
+                result.logprobs[rid] = [TokenLogprobs(
+                    ids[j], float(lp.sampled_logprobs[j]), int(lp.sampled_ranks[j]),
+                    lp.topk_token_ids[j, :k].tolist(), lp.topk_logprobs[j, :k].tolist()) for j in range(a, b)]
+
+    @staticmethod
+    def _count_drafts(step: StepInputs, idx: np.ndarray, counts: np.ndarray, rows: np.ndarray,
+                      output_counts: torch.Tensor) -> None:
+        """Row j of a request with drafts samples after drafts[:j]: its penalties count them as outputs."""
+        start = 0
+        for i, n in zip(idx.tolist(), counts.tolist()):
+            for j, d in enumerate(step.drafts.get(i, [])[: n - 1]):
+                output_counts[start + j + 1:start + n, d] += 1.0
+            start += n
+
+    def _prompt_logprobs(self, req_id: str, row: int, hidden: torch.Tensor, start: int,
+                         result: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens start+1 .. from the logits at positions start .. of this chunk
         (position 0, which nothing predicts, gets None)."""
-        end = min(start + hidden.shape[0], st.num_prompt_tokens - 1)
+        batch = self.batch
+        end = min(start + hidden.shape[0], int(batch.num_prompt[row]) - 1)
         entries: list[TokenLogprobs | None] = [None] if start == 0 else []
         if end > start:
             logprobs = self.model.compute_logits(hidden[: end - start]).log_softmax(-1)
-            targets = torch.tensor(st.token_ids[start + 1:end + 1], device=self.device)
-            k = st.params.prompt_logprobs or 0
+            targets = torch.from_numpy(batch.token_ids[row, start + 1:end + 1].copy()).to(self.device)
+            k = int(batch.sampling.prompt_logprobs[row])
             g = gather_logprobs(logprobs, targets, max(k, 1))
             for j in range(end - start):
                 entries.append(TokenLogprobs(int(targets[j]), float(g.sampled_logprobs[j]), int(g.sampled_ranks[j]),
                                              g.topk_token_ids[j, :k].tolist(), g.topk_logprobs[j, :k].tolist()))
-        result.prompt_logprobs[st.req_id] = (0 if start == 0 else start + 1, entries)
+        result.prompt_logprobs[req_id] = (0 if start == 0 else start + 1, entries)

@@ -57,8 +57,7 @@ class Worker:
             dist.broadcast_object_list(box, src=last)
             if not st.is_last_stage:
                 result = box[0]
-                for rid, toks in result.sampled_token_ids.items():
-                    self.runner.batch.requests[rid].token_ids.extend(toks)
+                self.runner.append_sampled(result.sampled_token_ids)
         self.step_time_s += time.perf_counter() - start
         self.steps += 1
         return result

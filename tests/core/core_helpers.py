@@ -56,12 +56,14 @@ class _RunnerReq:
     num_computed: int
     prefix_hashes: list[int] = field(default_factory=list)
 
-    def prefix_hash(self, pos: int) -> int:
-        """Stands in for the KV at ``pos``: it depends on every token up to ``pos``."""
+    def prefix_hash(self, pos: int, drafts: list[int] = ()) -> int:  # type: ignore[assignment]
+        """Stands in for the KV at ``pos``: it depends on every token up to ``pos`` (the known
+        tokens, then this step's draft tokens)."""
+        seq = self.token_ids + list(drafts)
         while len(self.prefix_hashes) <= pos:
             i = len(self.prefix_hashes)
             parent = self.prefix_hashes[-1] if i else None
-            self.prefix_hashes.append(hash((parent, self.token_ids[i])))
+            self.prefix_hashes.append(hash((parent, seq[i])))
         return self.prefix_hashes[pos]
 
 
@@ -72,6 +74,8 @@ class FakeRunner:
     scheduled token of the whole batch, then checks that every position each request
     attends to holds that request's own KV (so a wrong prefix hit or a reused block
     is caught), and samples one token for requests whose known tokens are all computed.
+    Draft tokens (``scheduled_spec_tokens``) are verified against what the "model" samples
+    after each accepted prefix: the accepted drafts plus one token come back.
     """
 
     def __init__(self, kv: KVCacheManager, sample: Callable[[str, list[int]], int] = det_token):
@@ -99,21 +103,33 @@ class FakeRunner:
         assert sorted(ids) == sorted(out.num_scheduled_tokens), (ids, out.num_scheduled_tokens)
         for rid, n in out.num_scheduled_tokens.items():  # write KV for the whole batch first
             st = self.reqs[rid]
-            assert n >= 1 and st.num_computed + n <= len(st.token_ids)
+            drafts = out.scheduled_spec_tokens.get(rid, [])
+            assert n >= 1 and st.num_computed + n <= len(st.token_ids) + len(drafts)
+            assert not drafts or st.num_computed + n == len(st.token_ids) + len(drafts)
             assert len(st.block_ids) * self.block_size >= st.num_computed + n
             assert len(set(st.block_ids)) == len(st.block_ids)
             for pos in range(st.num_computed, st.num_computed + n):
-                self.slots[self._slot(st, pos)] = st.prefix_hash(pos)
+                self.slots[self._slot(st, pos)] = st.prefix_hash(pos, drafts)
         sampled: dict[str, list[int]] = {}
         for rid, n in out.num_scheduled_tokens.items():  # then "attend" and sample
             st = self.reqs[rid]
+            drafts = out.scheduled_spec_tokens.get(rid, [])
             for pos in range(st.num_computed + n):
-                assert self.slots.get(self._slot(st, pos)) == st.prefix_hash(pos), (rid, pos)
+                assert self.slots.get(self._slot(st, pos)) == st.prefix_hash(pos, drafts), (rid, pos)
             st.num_computed += n
-            if st.num_computed == len(st.token_ids):
-                token = self.sample(rid, st.token_ids)
-                st.token_ids.append(token)
-                sampled[rid] = [token]
+            if st.num_computed == len(st.token_ids) + len(drafts):
+                assert rid in out.sampling_request_ids
+                accepted: list[int] = []
+                for j in range(len(drafts) + 1):
+                    accepted.append(self.sample(rid, st.token_ids + accepted))
+                    if j == len(drafts) or drafts[j] != accepted[-1]:
+                        break
+                st.token_ids += accepted
+                st.num_computed -= len(drafts) + 1 - len(accepted)
+                del st.prefix_hashes[st.num_computed:]  # rejected positions held the drafts' KV
+                sampled[rid] = accepted
+            else:
+                assert rid not in out.sampling_request_ids
         return sampled
 
 

@@ -196,7 +196,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
                           load_format=a.load_format, seed=a.seed, quantization=getattr(a, "quantization", None)),
         cache=CacheConfig(kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                  async_scheduling=getattr(a, "async_scheduling", True)),
         parallel=ParallelConfig(
             tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
             pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),

@@ -1,0 +1,99 @@
+"""The engine's step modes give the synchronous loop's greedy tokens (float32): async scheduling,
+and k-token steps that verify draft tokens (right, wrong, or partly right), on tiny models of every
+architecture and on the default model, with prefill chunking and preemption in the mix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers.tiny import TINY_CONFIGS
+from rivulet import LLM, SamplingParams
+from rivulet.core.request import Request
+
+KINDS = sorted(TINY_CONFIGS)
+
+
+def _workload(vocab: int, n: int = 10, seed: int = 0) -> tuple[list[dict], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 24), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def _tokens(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+class Drafts:
+    """Proposes k tokens per decoding request: the reference continuation, cut short and padded with a
+    wrong token at a random point (so drafts are accepted in full, in part, or not at all)."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
+        self.reference, self.rng = reference, random.Random(seed)
+        self.proposed = 0
+
+    def __call__(self, req: Request) -> list[int]:
+        p = req.num_prompt_tokens
+        want = self.reference[tuple(req.all_token_ids[:p])][req.num_output_tokens:]
+        k = self.rng.randrange(0, 5)
+        cut = self.rng.randrange(0, k + 1)
+        draft = want[:cut] + [(t + 1) % 200 + 3 for t in want[cut:k]]
+        self.proposed += len(draft)
+        return draft
+
+
+def _check_modes(model: str, vocab: int, **kw) -> None:
+    prompts, params = _workload(vocab)
+    sync = LLM(model, dtype="float32", async_scheduling=False, **kw)
+    want = _tokens(sync, prompts, params)
+    sync.shutdown()
+    llm = LLM(model, dtype="float32", **kw)
+    assert llm.engine.core._pool is not None  # async is the default
+    assert _tokens(llm, prompts, params) == want, "async scheduling changed the tokens"
+    reference = {tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, want)}
+    core = llm.engine.core
+    core.proposer = drafts = Drafts(reference)
+    accepted, execute = [0], core.executor.execute
+
+    def counting(out):
+        result = execute(out)
+        accepted[0] += sum(len(t) - 1 for t in result.sampled_token_ids.values())
+        return result
+
+    core.executor.execute = counting
+    assert _tokens(llm, prompts, params) == want, "draft tokens changed the tokens"
+    assert 0 < accepted[0] < drafts.proposed  # drafts were taken and rejected
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    assert len(core.executor.runner.batch) == 0  # every row was given back
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_async_and_draft_steps_match_sync_on_tiny_models(kind, tiny_model_dir):
+    path, _ = tiny_model_dir(kind)
+    _check_modes(str(path), 256, max_model_len=128, max_num_batched_tokens=32, block_size=4)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_kv_blocks=12, block_size=16)], ids=["roomy", "preempt"])
+def test_async_and_draft_steps_match_sync_on_the_default_model(kw):
+    _check_modes("default", 40000, max_model_len=192, max_num_batched_tokens=64, **kw)
+
+
+def test_async_abort_mid_flight_frees_everything():
+    llm = LLM("default", dtype="float32", max_model_len=128)
+    eng = llm.engine
+    prompts, params = _workload(40000, n=6)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert eng.core._in_flight is not None
+    for i in range(0, 6, 2):
+        eng.abort_request(f"r{i}")
+    while eng.has_unfinished_requests() or eng.core.has_unfinished_requests():
+        eng.step()
+    core = eng.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+    assert len(core.executor.runner.batch) == 0
