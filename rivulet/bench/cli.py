@@ -57,9 +57,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
 
 def _offline_common(p: argparse.ArgumentParser, input_len: int) -> None:
     """The engine flags of `rivulet generate/serve` (so any engine option applies here too) + the sizes."""
-    from rivulet.entrypoints.cli import _engine_args
+    from rivulet.engine.args import EngineArgs
 
-    _engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--input-len", type=int, default=input_len)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--result-json", default=None)
@@ -67,11 +67,9 @@ def _offline_common(p: argparse.ArgumentParser, input_len: int) -> None:
 
 def _llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that `rivulet.LLM` takes, except model and dtype; unset ones (None) left to the bench."""
-    import inspect
+    from rivulet.engine.args import EngineArgs
 
-    from rivulet.engine.llm import LLM
-
-    names = set(inspect.signature(LLM.__init__).parameters) - {"self", "model", "dtype"}
+    names = EngineArgs.names() - {"model", "dtype"}
     return {k: v for k, v in vars(a).items() if k in names and v is not None}
 
 

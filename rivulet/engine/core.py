@@ -136,6 +136,10 @@ class EngineCore:
         self._in_flight = nxt
         return self._finish(*done)
 
+    def drain(self) -> list[StepOutput]:
+        """Wait for the step in flight, if any, and return its outputs (async scheduling)."""
+        return self._finish(*self._take_in_flight()) if self._in_flight is not None else []
+
     def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         assert self._in_flight is not None
         sched, fut = self._in_flight

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig
+from rivulet.config import RivuletError
+from rivulet.engine.args import EngineArgs
 from rivulet.engine.llm_engine import LLMEngine
 from rivulet.engine.processor import PromptType
 from rivulet.engine.outputs import RequestOutput
@@ -16,46 +17,11 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "default",
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        num_kv_blocks: int | None = None,
-        load_format: str = "auto",
-        seed: int = 0,
-        quantization: str | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        enable_sequence_parallel: bool = False,
-        enable_expert_parallel: bool = False,
-        replicated_experts: list[int] | None = None,
-        distributed_executor_backend: str | None = None,
-        pipeline_micro_batches: int | None = None,
-        async_scheduling: bool = True,
-    ) -> None:
-        self.config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype,  # type: ignore[arg-type]
-                              max_model_len=max_model_len, load_format=load_format, seed=seed,  # type: ignore[arg-type]
-                              quantization=quantization),  # type: ignore[arg-type]
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      async_scheduling=async_scheduling),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                                    enable_sequence_parallel=enable_sequence_parallel,
-                                    enable_expert_parallel=enable_expert_parallel,
-                                    replicated_experts=list(replicated_experts) if replicated_experts else None,
-                                    distributed_executor_backend=distributed_executor_backend,
-                                    pipeline_micro_batches=pipeline_micro_batches),
-        )
+    """`LLM(model, **engine_args)`: any field of `rivulet.engine.args.EngineArgs` as a keyword
+    (`dtype`, `max_model_len`, `max_num_seqs`, `quantization`, `tensor_parallel_size`, ...)."""
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        self.config = EngineArgs.from_kwargs(model, kwargs).create_engine_config()
         self.engine = LLMEngine(self.config)
 
     def shutdown(self) -> None:
@@ -128,4 +94,5 @@ class LLM:
             raise
         finally:
             bar.close()
+        self.engine.core.drain()  # no step left running behind the caller's back
         return [done[rid] for rid in ids]

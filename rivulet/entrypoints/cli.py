@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -14,32 +15,9 @@ from rivulet.config import RivuletError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="HF folder, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="schedule each step only after the previous one finished (for debugging)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                   help="CPU: int8 (Q8_0-like) or int4 (Q4_1-like) weight copies for small-batch decode")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split each layer")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="stages that split the layers")
-    p.add_argument("--enable-sequence-parallel", action="store_true",
-                   help="with TP: norms and residuals on token shards (reduce-scatter + all-gather)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: split the experts over the TP ranks, tokens moved by all-to-all")
-    p.add_argument("--replicated-experts", type=int, nargs="+", default=None,
-                   help="with expert parallelism: expert ids every rank also holds (hot experts)")
-    p.add_argument("--pipeline-micro-batches", type=int, default=None,
-                   help="with PP: micro-batches per step in flight through the stages (default: 1)")
-    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                   help="worker processes on this machine (mp, default) or Ray actors (ray)")
+    from rivulet.engine.args import EngineArgs
+
+    EngineArgs.add_cli_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,17 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _make_llm(a: argparse.Namespace) -> Any:
+    from rivulet.engine.args import EngineArgs
     from rivulet.engine.llm import LLM
 
-    return LLM(a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
-               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching,
-               load_format=a.load_format, seed=a.seed, quantization=a.quantization,
-               tensor_parallel_size=a.tensor_parallel_size,
-               pipeline_parallel_size=a.pipeline_parallel_size, enable_sequence_parallel=a.enable_sequence_parallel,
-               enable_expert_parallel=a.enable_expert_parallel, replicated_experts=a.replicated_experts,
-               distributed_executor_backend=a.distributed_executor_backend,
-               pipeline_micro_batches=a.pipeline_micro_batches, async_scheduling=a.async_scheduling)
+    args = EngineArgs.from_cli_args(a)
+    return LLM(**dataclasses.asdict(args))
 
 
 def _params(a: argparse.Namespace) -> Any:

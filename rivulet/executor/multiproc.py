@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -66,6 +67,7 @@ def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.world_size = config.parallel.world_size
+        self._lock = threading.Lock()
         check_parallel(load_arch_config(source)[0], config)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs = []
@@ -85,11 +87,14 @@ class MultiprocExecutor:
         return [p.args[3] for p in self.procs if p.poll() is not None]
 
     def _call(self, method: str, *args: Any) -> Any:
-        dead = self._dead_ranks()
-        if dead:
-            raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
-        Worker.broadcast_command((method, args))
-        return self.worker.call(method, args)
+        """Every rank runs `method`. One call at a time: the engine's step thread and a caller's
+        `collect` must not interleave their collectives."""
+        with self._lock:
+            dead = self._dead_ranks()
+            if dead:
+                raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
+            Worker.broadcast_command((method, args))
+            return self.worker.call(method, args)
 
     @property
     def arch_config(self) -> ArchConfig:

@@ -11,6 +11,7 @@ starts a local one; a caller may `ray.init(...)` first. The model path must exis
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from rivulet.config import EngineConfig, RivuletError
@@ -59,6 +60,7 @@ class RayExecutor(MultiprocExecutor):
             raise RivuletError("--distributed-executor-backend ray needs Ray: pip install 'rivulet[ray]'") from None
         self.ray = ray
         self.world_size = config.parallel.world_size
+        self._lock = threading.Lock()
         check_parallel(load_arch_config(source)[0], config)
         self.procs: list = []
         self.actors: list = []

@@ -71,9 +71,13 @@ def test_write_kv_cache_skips_negative_slots(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (16, 1, 64), (4, 2, 80), (6, 3, 24)])  # G > 8; generic D
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None) -> None:
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])  # per (sequence, head) tasks / per sequence
+def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None,
+                                            many: bool) -> None:
     bs = 4
     spec = [(20, 1), (0, 1), (3, 4), (47, 1), (16, 1)]  # decodes around a prefill chunk
+    if many:
+        spec += [(c, 1) for c in (5, 33, 2, 17, 64, 9, 1, 40, 11, 28, 7)]
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-(c + n) // bs) for c, n in spec) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()

@@ -31,7 +31,8 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import rivulet
-from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig
+from rivulet.config import EngineConfig, RivuletError
+from rivulet.engine.args import EngineArgs
 from rivulet.entrypoints.openai.engine_client import EngineClient
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
 from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -192,21 +193,7 @@ class DrainingServer(uvicorn.Server):
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the command line asks for."""
-    return EngineConfig(
-        model=ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
-                          load_format=a.load_format, seed=a.seed, quantization=getattr(a, "quantization", None)),
-        cache=CacheConfig(kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=a.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                  async_scheduling=getattr(a, "async_scheduling", True)),
-        parallel=ParallelConfig(
-            tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
-            pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
-            enable_sequence_parallel=getattr(a, "enable_sequence_parallel", False),
-            enable_expert_parallel=getattr(a, "enable_expert_parallel", False),
-            replicated_experts=getattr(a, "replicated_experts", None),
-            distributed_executor_backend=getattr(a, "distributed_executor_backend", None),
-            pipeline_micro_batches=getattr(a, "pipeline_micro_batches", None)),
-    )
+    return EngineArgs.from_cli_args(a).create_engine_config()
 
 
 def settings_from_args(a: argparse.Namespace) -> ServerSettings:

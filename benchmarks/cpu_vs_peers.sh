@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The engine-v2 table: Rivulet against vLLM's CPU build (and llama.cpp's server where built) on this machine,
+# one system at a time (never two servers under load), the same OpenAI-HTTP client for all:
+#   row 1  8 x 128/128 at concurrency 1       output tok/s, TPOT
+#   row 2  32 x 128/128 at concurrency 16     output tok/s
+#   row 3  128 x 128/128 at concurrency 64    output tok/s, TPOT
+#   row 4  16 x 1024/16 at concurrency 8      mean TTFT
+#   row 5  start to healthy                   seconds from launch to GET /health == 200
+# Each point is measured with `rivulet bench serve` and, when vLLM is installed, with vLLM's own `vllm bench
+# serve` too. Writes $OUT/<system>_<row>[_vllmclient].json, $OUT/summary.json, $OUT/table.md and $OUT/table.png.
+#
+#   bash benchmarks/peers/setup_vllm.sh                 # once: vLLM in ~/.cache/rivulet-peers/vllm
+#   bash benchmarks/cpu_vs_peers.sh                     # SYSTEMS="rivulet rivulet-int4 vllm llamacpp" by default
+#   SYSTEMS="rivulet vllm" ROWS="1 3" bash benchmarks/cpu_vs_peers.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/cpu_vs_peers}
+PEERS_DIR=${PEERS_DIR:-$HOME/.cache/rivulet-peers}
+VLLM=${VLLM:-$PEERS_DIR/vllm}
+LLAMA_SERVER=${LLAMA_SERVER:-$PEERS_DIR/llama.cpp/build/bin/llama-server}
+SYSTEMS=${SYSTEMS:-"rivulet rivulet-int4 vllm llamacpp"}
+ROWS=${ROWS:-"1 2 3 4"}
+PORT=${PORT:-8020}
+POINT_S=${POINT_S:-300}
+HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
+mkdir -p "$OUT"
+log() { echo "== $(date +%H:%M:%S) $*" >&2; }
+GGUF=$(.venv/bin/python -c 'from rivulet.models.loader.source import resolve_model; print(resolve_model("default").gguf_path)')
+row_args() {  # num_prompts input output concurrency
+    case $1 in
+        1) echo "8 128 128 1" ;; 2) echo "32 128 128 16" ;; 3) echo "128 128 128 64" ;; 4) echo "16 1024 16 8" ;;
+    esac
+}
+
+start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
+    local sys=$1 t0
+    t0=$(date +%s.%N)
+    case $sys in
+        rivulet) .venv/bin/rivulet serve --dtype bfloat16 --port "$PORT" --max-num-seqs 64 --max-model-len 2048 \
+                     --disable-uvicorn-access-log > "$OUT/${sys}_serve.log" 2>&1 & ;;
+        rivulet-int4) .venv/bin/rivulet serve --dtype bfloat16 --quantization int4 --port "$PORT" --max-num-seqs 64 \
+                     --max-model-len 2048 --disable-uvicorn-access-log > "$OUT/${sys}_serve.log" 2>&1 & ;;
+        vllm)
+            [ -d "$HF_DIR" ] || .venv/bin/python benchmarks/peers/make_hf_model.py "$HF_DIR" > /dev/null
+            local tc iomp
+            tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
+            iomp=$(find "$VLLM/lib" -name 'libiomp5.so' | head -1)
+            VLLM_CPU_OMP_THREADS_BIND=0-$(( $(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_USE_AOT_COMPILE=0 \
+            VLLM_CPU_KVCACHE_SPACE=2 LD_PRELOAD="$tc:$iomp" \
+                "$VLLM/bin/vllm" serve "$HF_DIR" --served-model-name default --dtype bfloat16 --port "$PORT" \
+                --max-num-seqs 64 --max-model-len 2048 --disable-log-requests > "$OUT/${sys}_serve.log" 2>&1 & ;;
+        llamacpp) "$LLAMA_SERVER" -m "$GGUF" -t "$(nproc)" -c 16384 -np 64 --port "$PORT" \
+                     > "$OUT/${sys}_serve.log" 2>&1 & ;;
+    esac
+    PID=$!
+    for _ in $(seq 1 1200); do
+        if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; then
+            python3 -c "import json,sys,time; json.dump({'system': sys.argv[1], 'start_s': time.time() - float(sys.argv[2])}, open(sys.argv[3], 'w'))" \
+                "$sys" "$t0" "$OUT/${sys}_start.json"
+            return 0
+        fi
+        kill -0 "$PID" 2> /dev/null || { echo "$sys exited; see $OUT/${sys}_serve.log" >&2; return 1; }
+        sleep 0.25
+    done
+    echo "$sys not healthy in 300 s" >&2; return 1
+}
+
+stop_server() { kill "$PID" 2> /dev/null || true; wait "$PID" 2> /dev/null || true; sleep 2; }
+
+for sys in $SYSTEMS; do
+    if [[ $sys == vllm && ! -x $VLLM/bin/vllm ]]; then log "skip vllm: run benchmarks/peers/setup_vllm.sh"; continue; fi
+    if [[ $sys == llamacpp && ! -x $LLAMA_SERVER ]]; then log "skip llamacpp: no $LLAMA_SERVER"; continue; fi
+    log "start $sys"
+    start_server "$sys"
+    # one short warm-up request (compiles, allocator, caches)
+    .venv/bin/rivulet bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer default --input-len 32 --output-len 8 \
+        --num-prompts 2 --max-concurrency 2 --ignore-eos --disable-tqdm > /dev/null
+    for row in $ROWS; do
+        read -r n in out c <<< "$(row_args "$row")"
+        log "$sys row $row: $n x $in/$out at $c"
+        .venv/bin/rivulet bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer default --label "$sys" \
+            --dataset random --input-len "$in" --output-len "$out" --num-prompts "$n" --max-concurrency "$c" \
+            --ignore-eos --disable-tqdm --max-duration-s "$POINT_S" --result-json "$OUT/${sys}_row${row}.json" > /dev/null
+        if [[ -x $VLLM/bin/vllm ]]; then
+            "$VLLM/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" --model default \
+                --tokenizer "$HF_DIR" --dataset-name random --random-input-len "$in" --random-output-len "$out" \
+                --num-prompts "$n" --max-concurrency "$c" --ignore-eos --disable-tqdm --save-result \
+                --result-dir "$OUT" --result-filename "${sys}_row${row}_vllmclient.json" > "$OUT/${sys}_row${row}_vllmclient.log" 2>&1 \
+                || log "vllm bench serve failed for $sys row $row (see the log)"
+        fi
+    done
+    stop_server
+done
+.venv/bin/python benchmarks/cpu_vs_peers_table.py "$OUT"

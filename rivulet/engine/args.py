@@ -1,0 +1,104 @@
+"""`EngineArgs`: every engine option, declared once.
+
+The fields generate the flags of `rivulet generate/chat/serve/bench` (`add_cli_args`, vLLM's names:
+`max_num_seqs` -> `--max-num-seqs`, a True-by-default switch `x` -> `--no-x`) and are the keyword
+arguments of `LLM(...)`; `create_engine_config` turns them into the typed `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig
+
+
+def _opt(help: str, **cli: Any) -> Any:
+    return {"help": help, **cli}
+
+
+@dataclass
+class EngineArgs:
+    model: str = field(default="default", metadata=_opt("HF folder, .gguf file, or 'default' (SmolLM2-135M-Instruct)"))
+    tokenizer: str | None = field(default=None, metadata=_opt("tokenizer folder (default: the model's own)"))
+    dtype: str = field(default="auto", metadata=_opt("activation and weight dtype",
+                                                      choices=["auto", "float32", "bfloat16", "float16"]))
+    max_model_len: int | None = field(default=None, metadata=_opt("context length (default: the model's)"))
+    max_num_seqs: int = field(default=128, metadata=_opt("requests in one step at most"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_opt("tokens in one step at most"))
+    block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
+    kv_cache_memory: int | None = field(default=None, metadata=_opt("bytes for the KV cache"))
+    num_kv_blocks: int | None = field(default=None, metadata=_opt("KV cache blocks (overrides --kv-cache-memory)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt("share the KV of common prompt prefixes"))
+    async_scheduling: bool = field(default=True, metadata=_opt(
+        "schedule step N+1 while step N runs (--no-async-scheduling: one step after the other, for debugging)"))
+    load_format: str = field(default="auto", metadata=_opt("'dummy': random weights", choices=["auto", "dummy"]))
+    seed: int = field(default=0, metadata=_opt("seed of the default random stream"))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "CPU: int8 (Q8_0-like) or int4 (Q4_1-like) weight copies for small-batch decode", choices=["int8", "int4"],
+        flags=["--quantization", "-q"]))
+    enforce_eager: bool = field(default=False, metadata=_opt("CUDA: never replay CUDA graphs"))
+    tensor_parallel_size: int = field(default=1, metadata=_opt("ranks that split each layer",
+                                                                flags=["--tensor-parallel-size", "-tp"]))
+    pipeline_parallel_size: int = field(default=1, metadata=_opt("stages that split the layers",
+                                                                  flags=["--pipeline-parallel-size", "-pp"]))
+    enable_sequence_parallel: bool = field(default=False, metadata=_opt(
+        "with TP: norms and residuals on token shards (reduce-scatter + all-gather)"))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "MoE: split the experts over the TP ranks, tokens moved by all-to-all"))
+    replicated_experts: list[int] | None = field(default=None, metadata=_opt(
+        "with expert parallelism: expert ids every rank also holds (hot experts)", nargs="+", type=int))
+    distributed_executor_backend: str | None = field(default=None, metadata=_opt(
+        "worker processes on this machine (mp, default) or Ray actors (ray)", choices=["mp", "ray"]))
+    pipeline_micro_batches: int | None = field(default=None, metadata=_opt(
+        "with PP: micro-batches per step in flight through the stages (default: 1)"))
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            flags = meta.pop("flags", ["--" + f.name.replace("_", "-")])
+            if f.type in ("bool", bool):
+                if f.default:
+                    p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", **meta)
+                else:
+                    p.add_argument(*flags, dest=f.name, action="store_true", **meta)
+                continue
+            kind = meta.pop("type", None) or (int if "int" in str(f.type) and "list" not in str(f.type) else None)
+            p.add_argument(*flags, dest=f.name, default=f.default, **({"type": kind} if kind else {}), **meta)
+
+    @classmethod
+    def from_cli_args(cls, a: argparse.Namespace) -> EngineArgs:
+        return cls(**{k: v for k, v in vars(a).items() if k in cls.names()})
+
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> EngineArgs:
+        unknown = sorted(set(kwargs) - cls.names())
+        if unknown:
+            raise RivuletError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,  # type: ignore[arg-type]
+                              max_model_len=self.max_model_len, load_format=self.load_format,  # type: ignore[arg-type]
+                              seed=self.seed, enforce_eager=self.enforce_eager,
+                              quantization=self.quantization),  # type: ignore[arg-type]
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                              num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      async_scheduling=self.async_scheduling),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+                enable_sequence_parallel=self.enable_sequence_parallel,
+                enable_expert_parallel=self.enable_expert_parallel,
+                replicated_experts=list(self.replicated_experts) if self.replicated_experts else None,
+                distributed_executor_backend=self.distributed_executor_backend,
+                pipeline_micro_batches=self.pipeline_micro_batches),
+        )

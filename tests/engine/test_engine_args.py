@@ -1,0 +1,45 @@
+"""EngineArgs: one declaration behind the CLI flags, `LLM(**kwargs)` and the EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from rivulet.config import RivuletError
+from rivulet.engine.args import EngineArgs
+from rivulet.entrypoints.cli import build_parser
+
+
+def test_every_field_is_a_flag_of_every_engine_command() -> None:
+    parser = build_parser()
+    for command in (["generate"], ["chat"], ["serve"], ["bench", "throughput"], ["bench", "latency"]):
+        a = parser.parse_args(command)
+        assert EngineArgs.names() <= set(vars(a)), command
+
+
+def test_flags_reach_the_engine_config() -> None:
+    a = build_parser().parse_args(
+        ["serve", "--max-num-seqs", "7", "--no-async-scheduling", "--no-enable-prefix-caching", "-tp", "3",
+         "--replicated-experts", "1", "4", "-q", "int4", "--block-size", "32", "--enforce-eager"])
+    cfg = EngineArgs.from_cli_args(a).create_engine_config()
+    assert cfg.scheduler.max_num_seqs == 7 and cfg.scheduler.async_scheduling is False
+    assert cfg.cache.enable_prefix_caching is False and cfg.cache.block_size == 32
+    assert cfg.parallel.tensor_parallel_size == 3 and cfg.parallel.replicated_experts == [1, 4]
+    assert cfg.model.quantization == "int4" and cfg.model.enforce_eager is True
+    default = EngineArgs().create_engine_config()
+    assert default.scheduler.async_scheduling is True and default.cache.enable_prefix_caching is True
+
+
+def test_defaults_agree_between_cli_and_dataclass() -> None:
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli_args(p.parse_args([])) == EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        assert f.metadata.get("help"), f.name
+
+
+def test_unknown_llm_keyword_is_a_clear_error() -> None:
+    with pytest.raises(RivuletError, match="unknown engine argument.*max_num_seq\\b"):
+        EngineArgs.from_kwargs("default", {"max_num_seq": 4})
