@@ -274,80 +274,6 @@ void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, c
   }
 }
 
-// One sequence, all heads: q [Hq, NV*16] (float) over context tokens [start, L). Pages are read in
-// order, whole token rows (every KV head) at a time, so each page is one sequential read; the next
-// page is prefetched while the current one is computed. out [Hq, D] float.
-template <typename TT, int NV>
-void decode_seq(const float* q, int64_t Hq, int64_t Hk, const TT* keys, const TT* values, const int* table,
-                int64_t start, int64_t L, int64_t bs, int64_t page_stride, float scale, float* sc, float* out) {
-  constexpr int64_t D = NV * 16;
-  const int64_t G = Hq / Hk, n = L - start, row = Hk * D;
-  auto prefetch_page = [&](const TT* base, int64_t t) {
-    if (t >= L) return;
-    const char* p = reinterpret_cast<const char*>(base + int64_t(table[t / bs]) * page_stride);
-    const int64_t bytes = std::min<int64_t>(bs, L - t) * row * int64_t(sizeof(TT));
-    for (int64_t b = 0; b < std::min<int64_t>(bytes, 4096); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-  };
-  for (int64_t t = start; t < L;) {  // scores
-    const int64_t off = t % bs, m = std::min(bs - off, L - t);
-    prefetch_page(keys, t + m);
-    const TT* kp = keys + int64_t(table[t / bs]) * page_stride + off * row;
-    for (int64_t j = 0; j < m; ++j, kp += row) {
-      const int64_t col = t + j - start;
-      for (int64_t h = 0; h < Hk; ++h) {
-        __m512 kv[NV];
-        for (int v = 0; v < NV; ++v) kv[v] = load16(kp + h * D + 16 * v);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qh = q + (h * G + g) * D;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), kv[v], a);
-          sc[(h * G + g) * n + col] = _mm512_reduce_add_ps(a) * scale;
-        }
-      }
-    }
-    t += m;
-  }
-  for (int64_t hq = 0; hq < Hq; ++hq) softmax_row(sc + hq * n, n);
-  for (int64_t i = 0; i < Hq * D; ++i) out[i] = 0.f;
-  for (int64_t t = start; t < L;) {  // values, accumulated in `out` (L1-resident)
-    const int64_t off = t % bs, m = std::min(bs - off, L - t);
-    prefetch_page(values, t + m);
-    const TT* vp = values + int64_t(table[t / bs]) * page_stride + off * row;
-    for (int64_t j = 0; j < m; ++j, vp += row) {
-      const int64_t col = t + j - start;
-      for (int64_t h = 0; h < Hk; ++h) {
-        __m512 vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = load16(vp + h * D + 16 * v);
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = out + (h * G + g) * D;
-          const __m512 p = _mm512_set1_ps(sc[(h * G + g) * n + col]);
-          for (int v = 0; v < NV; ++v)
-            _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(p, vv[v], _mm512_loadu_ps(o + 16 * v)));
-        }
-      }
-    }
-    t += m;
-  }
-}
-
-template <typename TT>
-using DecodeSeqFn = void (*)(const float*, int64_t, int64_t, const TT*, const TT*, const int*, int64_t, int64_t,
-                             int64_t, int64_t, float, float*, float*);
-
-template <typename TT>
-DecodeSeqFn<TT> decode_seq_for(int64_t D) {
-  switch (D) {
-    case 16: return decode_seq<TT, 1>;
-    case 32: return decode_seq<TT, 2>;
-    case 64: return decode_seq<TT, 4>;
-    case 80: return decode_seq<TT, 5>;
-    case 96: return decode_seq<TT, 6>;
-    case 128: return decode_seq<TT, 8>;
-    case 256: return decode_seq<TT, 16>;
-    default: return nullptr;
-  }
-}
-
 template <typename TT>
 using DecodeGroupFn = void (*)(const float*, int64_t, const TT*, const TT*, const int*, int64_t, int64_t, int64_t,
                                int64_t, int64_t, float, float*, float*);
@@ -387,28 +313,6 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
     const TT* cache = kv_cache.data_ptr<TT>();
 #ifdef __AVX512F__
     const DecodeGroupFn<TT> fast = decode_group_for<TT>(D);
-    const DecodeSeqFn<TT> fast_seq = decode_seq_for<TT>(D);
-    // Enough sequences for every thread: one task per sequence, reading its pages front to back
-    // (sequential reads); few sequences: one task per (sequence, KV head), so all threads work.
-    if (fast_seq != nullptr && S >= 4 * at::get_num_threads()) {
-      at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
-        std::vector<float> qf(Hq * D), acc(Hq * D), sc;
-        for (int64_t i = s0; i < s1; ++i) {
-          const int64_t row = rw.data_ptr<int64_t>()[i], s = sq.data_ptr<int64_t>()[i];
-          const int64_t L = sl.data_ptr<int>()[s];
-          const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
-          const TT* qp = query.data_ptr<TT>() + row * query.stride(0);
-          for (int64_t hq = 0; hq < Hq; ++hq)
-            for (int64_t d = 0; d < D; ++d) qf[hq * D + d] = f32(qp[hq * query.stride(1) + d]);
-          sc.resize(Hq * (L - start));
-          fast_seq(qf.data(), Hq, Hk, cache, cache + plane, bt.data_ptr<int>() + s * maxb, start, L, bs,
-                   bs * Hk * D, float(scale), sc.data(), acc.data());
-          TT* op = out.data_ptr<TT>() + row * Hq * D;
-          for (int64_t k = 0; k < Hq * D; ++k) op[k] = static_cast<TT>(acc[k]);
-        }
-      });
-      return;
-    }
 #endif
     at::parallel_for(0, S * Hk, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> qf(G * D), acc(G * D), sc;
