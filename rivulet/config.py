@@ -55,7 +55,8 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048  # filled from the model by EngineConfig.finalize
-    async_scheduling: bool = True  # schedule step N+1 while step N runs (rivulet/engine/core.py)
+    # schedule step N+1 while step N runs (rivulet/engine/core.py); None: the platform's default
+    async_scheduling: bool | None = None
 
 
 @dataclass

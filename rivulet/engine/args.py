@@ -32,8 +32,9 @@ class EngineArgs:
     kv_cache_memory: int | None = field(default=None, metadata=_opt("bytes for the KV cache"))
     num_kv_blocks: int | None = field(default=None, metadata=_opt("KV cache blocks (overrides --kv-cache-memory)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("share the KV of common prompt prefixes"))
-    async_scheduling: bool = field(default=True, metadata=_opt(
-        "schedule step N+1 while step N runs (--no-async-scheduling: one step after the other, for debugging)"))
+    async_scheduling: bool | None = field(default=None, metadata=_opt(
+        "schedule step N+1 while step N runs (default: where the device computes apart from the host, i.e. "
+        "not on CPU)"))
     load_format: str = field(default="auto", metadata=_opt("'dummy': random weights", choices=["auto", "dummy"]))
     seed: int = field(default=0, metadata=_opt("seed of the default random stream"))
     quantization: str | None = field(default=None, metadata=_opt(
@@ -64,6 +65,12 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             meta = dict(f.metadata)
             flags = meta.pop("flags", ["--" + f.name.replace("_", "-")])
+            if f.type == "bool | None":  # --x / --no-x, unset: the engine decides
+                name = f.name.replace("_", "-")
+                p.add_argument("--" + name, dest=f.name, action="store_true", default=None, **meta)
+                p.add_argument("--no-" + name, dest=f.name, action="store_false", default=None,
+                               help=f"the opposite of --{name}")
+                continue
             if f.type in ("bool", bool):
                 if f.default:
                     p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", **meta)

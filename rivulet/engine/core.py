@@ -1,6 +1,7 @@
 """EngineCore: the loop of scheduler.schedule() -> executor.execute() -> scheduler.update().
 
-With async scheduling (the default) a step runs in a worker thread while this thread schedules
+With async scheduling (the default where the device computes apart from the host: CUDA, not CPU,
+whose cores the forward pass itself uses) a step runs in a worker thread while this thread schedules
 the next one and then processes the finished one's outputs:
 
     main thread:    schedule N+1 | wait for N | update N, outputs of N -> caller | schedule N+2 | ...
@@ -28,6 +29,7 @@ from rivulet.core.request import Request, RequestStatus
 from rivulet.engine.tokenizer import eos_token_ids
 from rivulet.executor import make_executor
 from rivulet.models.loader import ModelSource
+from rivulet.platforms import current_platform
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -82,8 +84,10 @@ class EngineCore:
         # the tokenizer lives with the front end; the config files give the end-of-sequence ids here
         self.eos_token_ids = eos_token_ids(source, arch.eos_token_ids, None)
         self.executor.set_eos_token_ids(self.eos_token_ids)
-        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="rivulet-step")
-                      if config.scheduler.async_scheduling else None)
+        use_async = config.scheduler.async_scheduling
+        if use_async is None:
+            use_async = current_platform().computes_apart_from_host
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-step") if use_async else None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         # draft tokens for a decoding request (k-token steps); set by speculative decoding or tests
         self.proposer: Callable[[Request], list[int]] | None = None

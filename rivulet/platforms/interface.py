@@ -12,6 +12,9 @@ class Platform:
     device_type: str = "cpu"
     default_dtype: torch.dtype = torch.bfloat16
     dist_backend: str = "gloo"
+    # whether the host is free while the device computes, so the engine schedules the next step then
+    # (async scheduling's default)
+    computes_apart_from_host: bool = True
 
     @classmethod
     def is_available(cls) -> bool:

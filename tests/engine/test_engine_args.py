@@ -29,7 +29,9 @@ def test_flags_reach_the_engine_config() -> None:
     assert cfg.parallel.tensor_parallel_size == 3 and cfg.parallel.replicated_experts == [1, 4]
     assert cfg.model.quantization == "int4" and cfg.model.enforce_eager is True
     default = EngineArgs().create_engine_config()
-    assert default.scheduler.async_scheduling is True and default.cache.enable_prefix_caching is True
+    assert default.scheduler.async_scheduling is None and default.cache.enable_prefix_caching is True
+    on = EngineArgs.from_cli_args(build_parser().parse_args(["generate", "--async-scheduling"]))
+    assert on.async_scheduling is True
 
 
 def test_defaults_agree_between_cli_and_dataclass() -> None:

@@ -49,8 +49,8 @@ def _check_modes(model: str, vocab: int, **kw) -> None:
     sync = LLM(model, dtype="float32", async_scheduling=False, **kw)
     want = _tokens(sync, prompts, params)
     sync.shutdown()
-    llm = LLM(model, dtype="float32", **kw)
-    assert llm.engine.core._pool is not None  # async is the default
+    llm = LLM(model, dtype="float32", async_scheduling=True, **kw)
+    assert llm.engine.core._pool is not None
     assert _tokens(llm, prompts, params) == want, "async scheduling changed the tokens"
     reference = {tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, want)}
     core = llm.engine.core
@@ -81,8 +81,14 @@ def test_async_and_draft_steps_match_sync_on_the_default_model(kw):
     _check_modes("default", 40000, max_model_len=192, max_num_batched_tokens=64, **kw)
 
 
+def test_cpu_default_is_synchronous():
+    """On CPU the forward pass uses every core: a second busy thread would stall it (docs/cpu.md)."""
+    llm = LLM("default", dtype="float32", max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.core._pool is None
+
+
 def test_async_abort_mid_flight_frees_everything():
-    llm = LLM("default", dtype="float32", max_model_len=128)
+    llm = LLM("default", dtype="float32", max_model_len=128, async_scheduling=True)
     eng = llm.engine
     prompts, params = _workload(40000, n=6)
     for i, (p, sp) in enumerate(zip(prompts, params)):
