@@ -5,7 +5,10 @@ of `rivulet.kernels.cpu` (activations are quantized to int8 in blocks on the fly
 
 - `int8`: one scale per 64 weights of a row (llama.cpp's Q8_0 layout, `quantize_int8_weight`);
 - `int4`: `d * q + m` per 32 weights (llama.cpp's Q4_1, `quantize_int4_weight`), which holds the
-  weights of a Q4_1 GGUF file (the default model) exactly.
+  weights of a Q4_1 GGUF file (the default model) exactly. The LM head stays at 8 bits (`int8`):
+  llama.cpp's quantization mixes keep the output matrix at 6-8 bits, and the default model's file
+  stores it (its tied token embedding) as Q8_0. Requantizing it to 4 bits cost most of the int4
+  path's disagreement with the float32 reference (top-1 0.894 -> see docs/cpu.md).
 
 Steps with at most `max_rows` rows (decode of small batches) read the compact copy: a fraction of
 the bytes of a bf16 weight, which is what a memory-bound matrix-vector product costs. Bigger steps
@@ -22,6 +25,7 @@ from torch import nn
 from rivulet.config import RivuletError
 from rivulet.kernels.ops import get_op
 from rivulet.kernels.quant import quantize_int4_weight, quantize_int8_weight
+from rivulet.layers.embedding import ParallelLMHead
 
 QUANTIZATIONS = ("int8", "int4")
 MAX_ROWS = 8  # the crossover with the bf16 matmul on AVX512-VNNI + AMX, 2 threads
@@ -57,7 +61,8 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     total = 0
     for module in model.modules():
         if getattr(module, "quantizable", False) and getattr(module, "weight", None) is not None:
-            module.quant = WeightOnly(method, module.weight)
+            m = "int8" if method == "int4" and isinstance(module, ParallelLMHead) else method
+            module.quant = WeightOnly(m, module.weight)
             for i, t in enumerate(module.quant.tensors):  # buffers, so that the platform can place them
                 module.register_buffer(f"quant_{i}", t, persistent=False)
             total += module.quant.nbytes

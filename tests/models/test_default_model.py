@@ -108,14 +108,19 @@ def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
     assert rate >= 0.9 and mean_dlp < 0.15
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_decode_agrees_with_float32(method, prompts, reference, capsys):
-    """The weight-only int8/int4 paths (bf16 activations, decode steps) against the fp32 reference.
-    int4 holds the file's Q4_1 weights exactly, so its cost is the int8 activations and bf16."""
-    runner = make_runner("default", "bfloat16", num_blocks=64, block_size=16, quantization=method)
+# (method, activations, least top-1 agreement, largest mean |dlogprob|): measured 0.958/0.055, 0.956/0.044 and
+# 0.965/0.038 on 480 steps; the int4 LM head (4-bit, requantized from the file's Q8_0) gave 0.894/0.154
+@pytest.mark.parametrize("method,act,min_rate,max_dlp", [("int8", "bfloat16", 0.93, 0.08),
+                                                         ("int4", "bfloat16", 0.94, 0.07),
+                                                         ("int4", "float32", 0.95, 0.06)])
+def test_quantized_decode_agrees_with_float32(method, act, min_rate, max_dlp, prompts, reference, capsys):
+    """The weight-only int8/int4 paths (decode steps) against the fp32 reference. int4 holds the file's
+    Q4_1 weights exactly, so its cost is the int8 activation blocks (llama.cpp's Q8_1: the same) and,
+    with bf16 activations, the bf16 rounding of everything else (llama.cpp computes those in fp32)."""
+    runner = make_runner("default", act, num_blocks=64, block_size=16, quantization=method)
     assert runner.model.lm_head.quant is not None  # the path under test is really taken
     rate, mean_dlp, total = _agreement(runner, prompts, reference, one_token_steps=True)
     with capsys.disabled():
-        print(f"\n{method} (bf16 activations) vs fp32 on the default model: top-1 agreement {rate:.4f} over "
+        print(f"\n{method} ({act} activations) vs fp32 on the default model: top-1 agreement {rate:.4f} over "
               f"{total} decode steps, mean |dlogprob| {mean_dlp:.4f}")
-    assert rate >= 0.85 and mean_dlp < 0.25
+    assert rate >= min_rate and mean_dlp < max_dlp

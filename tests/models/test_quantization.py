@@ -37,8 +37,9 @@ def test_every_linear_and_the_lm_head_get_a_copy(tiny_model_dir):
     path, _ = tiny_model_dir("llama")
     r = make_runner(path, quantization="int4")
     quantized = [n for n, m in r.model.named_modules() if getattr(m, "quant", None) is not None]
-    # per layer: qkv, o, gate_up, down; then the LM head
+    # per layer: qkv, o, gate_up, down; then the LM head, which keeps 8 bits
     assert len(quantized) == 4 * 2 + 1 and quantized[-1] == "lm_head"
+    assert r.model.lm_head.quant.method == "int8" and r.model.model.layers[0].mlp.down_proj.quant.method == "int4"
     assert r.forward([SeqChunk(list(range(5)), 0, [0, 1])]).shape == (1, 256)
 
 
