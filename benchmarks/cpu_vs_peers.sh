@@ -34,6 +34,7 @@ row_args() {  # num_prompts input output concurrency
 
 start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
     local sys=$1 t0
+    if [[ $sys == vllm && ! -d $HF_DIR ]]; then .venv/bin/python benchmarks/peers/make_hf_model.py "$HF_DIR" > /dev/null; fi
     t0=$(date +%s.%N)
     case $sys in
         rivulet) .venv/bin/rivulet serve --dtype bfloat16 --port "$PORT" --max-num-seqs 64 --max-model-len 2048 \
@@ -41,14 +42,13 @@ start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
         rivulet-int4) .venv/bin/rivulet serve --dtype bfloat16 --quantization int4 --port "$PORT" --max-num-seqs 64 \
                      --max-model-len 2048 --disable-uvicorn-access-log > "$OUT/${sys}_serve.log" 2>&1 & ;;
         vllm)
-            [ -d "$HF_DIR" ] || .venv/bin/python benchmarks/peers/make_hf_model.py "$HF_DIR" > /dev/null
             local tc iomp
             tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
             iomp=$(find "$VLLM/lib" -name 'libiomp5.so' | head -1)
             VLLM_CPU_OMP_THREADS_BIND=0-$(( $(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_USE_AOT_COMPILE=0 \
             VLLM_CPU_KVCACHE_SPACE=2 LD_PRELOAD="$tc:$iomp" \
                 "$VLLM/bin/vllm" serve "$HF_DIR" --served-model-name default --dtype bfloat16 --port "$PORT" \
-                --max-num-seqs 64 --max-model-len 2048 --disable-log-requests > "$OUT/${sys}_serve.log" 2>&1 & ;;
+                --max-num-seqs 64 --max-model-len 2048 --no-enable-log-requests > "$OUT/${sys}_serve.log" 2>&1 & ;;
         llamacpp) "$LLAMA_SERVER" -m "$GGUF" -t "$(nproc)" -c 16384 -np 64 --port "$PORT" \
                      > "$OUT/${sys}_serve.log" 2>&1 & ;;
     esac

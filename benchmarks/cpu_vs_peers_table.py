@@ -17,11 +17,9 @@ def _load(path: Path) -> dict | None:
 def _point(d: dict | None) -> dict | None:
     if d is None:
         return None
-    r = d["results"][0] if "results" in d else d  # rivulet bench serve: {"results": [...]}; vLLM's client: flat
-    tput = r.get("output_throughput")
-    tpot = (r.get("tpot_ms") or {}).get("mean") if isinstance(r.get("tpot_ms"), dict) else r.get("mean_tpot_ms")
-    ttft = (r.get("ttft_ms") or {}).get("mean") if isinstance(r.get("ttft_ms"), dict) else r.get("mean_ttft_ms")
-    return {"output_tok_s": tput, "tpot_ms": tpot, "ttft_ms": ttft}
+    r = d["points"][0] if "points" in d else d  # rivulet bench serve: {"points": [...]}; vLLM's client: flat
+    return {"output_tok_s": r.get("output_throughput"), "tpot_ms": r.get("mean_tpot_ms"),
+            "ttft_ms": r.get("mean_ttft_ms"), "completed": r.get("completed")}
 
 
 def main() -> int:

