@@ -137,8 +137,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Apply the step's batch changes and run the forward pass; returns the float32 logits of the
-        requests that sample (one row each, in batch order), or None when none does. `sample_tokens`
-        must follow before the next step."""
+        requests that sample (one row each, k + 1 for a request with k draft tokens, in batch order),
+        or None when none does. `sample_tokens` must follow before the next step."""
         self.batch.update(out, self.eos_token_ids)
         self._pending = None
         if out.is_empty:
