@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rivulet.kernels import paged_attention_ref
+from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.cpu.attention import paged_attention_cpu
 from rivulet.kernels.cpu import load_cpu_ext
@@ -39,6 +40,14 @@ def test_rms_norms(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     want_out, want_res = fused_add_rms_norm_ref(x, r, w, 1e-5)
     ulp_close(res, want_res, dtype)
     ulp_close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 3072), (3, 5, 48), (2, 2 * 21)])  # tails of 16-lane vectors
+def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = randn(*shape, dtype=dtype) * 4
+    x.view(-1)[:4] = torch.tensor([-100.0, 100.0, 0.0, -0.5]).to(dtype)  # saturated, zero and small gates
+    ulp_close(ext.silu_and_mul(x), silu_and_mul_ref(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

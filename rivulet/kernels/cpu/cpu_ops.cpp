@@ -361,10 +361,64 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
   });
 }
 
+#ifdef __AVX512F__
+namespace {
+// v rounded to T (round to nearest even for bf16, as a float), and stored as T.
+inline __m512 round_to(float, __m512 v) { return v; }
+inline __m512 round_to(at::BFloat16, __m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {  // v already rounded
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+}  // namespace
+#endif
+
+// out [..., d] = round(silu(x[..., :d])) * x[..., d:], rounded to T: the reference's two roundings
+// (SiLU as x / (1 + exp(-x)) in float, like PyTorch's kernel).
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  auto xc = x.contiguous();
+  const int64_t D2 = xc.size(-1), D = D2 / 2, R = xc.numel() / std::max<int64_t>(D2, 1);
+  auto sizes = xc.sizes().vec();
+  sizes.back() = D;
+  auto out = torch::empty(sizes, xc.options());
+  dispatch(xc, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = xc.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* g = xp + r * D2; const T* u = g + D; T* o = op + r * D;
+#ifdef __AVX512F__
+        for (int64_t i = 0; i < D; i += 16) {
+          const __mmask16 m = tail_mask(D - i);
+          const __m512 gv = load16(g + i, m), uv = load16(u + i, m);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          const __m512 s = round_to(T{}, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+          store16(o + i, round_to(T{}, _mm512_mul_ps(s, uv)), m);
+        }
+#else
+        for (int64_t i = 0; i < D; ++i) {
+          const float gf = f32(g[i]);
+          const T s = static_cast<T>(gf / (1.f + std::exp(-gf)));
+          o[i] = static_cast<T>(f32(s) * f32(u[i]));
+        }
+#endif
+      }
+    });
+  });
+  return out;
+}
+
 void register_cpu_ops(py::module& m) {
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("apply_rotary", &apply_rotary);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("decode_attention", &decode_attention);
+  m.def("silu_and_mul", &silu_and_mul);
 }

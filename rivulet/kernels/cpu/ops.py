@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -24,6 +25,10 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, res = _ext.fused_add_rms_norm(x, residual, weight, eps)
     return out, res
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _ext.silu_and_mul(x)
 
 
 ROTARY_MAX_ROWS = 16  # the C++ loop is scalar: beyond this PyTorch's vectorized ops win
@@ -59,4 +64,4 @@ def int4_linear(
 if not AVAILABLE:  # same names, reference arithmetic
     rms_norm, fused_add_rms_norm = rms_norm_ref, fused_add_rms_norm_ref  # noqa: F811
     apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
-    int4_linear = int4_linear_ref  # noqa: F811
+    int4_linear, silu_and_mul = int4_linear_ref, silu_and_mul_ref  # noqa: F811
