@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+import torch
+import torch.nn.functional as F
+
 from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
@@ -20,6 +23,11 @@ from rivulet.kernels.quant import fp8_linear_ref, int4_linear_ref, int8_linear_r
 from rivulet.kernels.rotary import apply_rotary_ref
 
 OpImpl = Callable[..., object]
+
+
+def pack_linear_weight_ref(weight: torch.Tensor) -> None:
+    """The reference backend has no packed layout: linears read the plain weight."""
+    return None
 
 _TRITON = "rivulet.kernels.triton"
 _CPU = "rivulet.kernels.cpu.ops"
@@ -40,6 +48,9 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "fp8_linear": {"torch": fp8_linear_ref, "triton": f"{_TRITON}.fp8_linear:fp8_linear"},
     "int8_linear": {"torch": int8_linear_ref, "cpu": f"{_CPU}:int8_linear"},
     "int4_linear": {"torch": int4_linear_ref, "cpu": f"{_CPU}:int4_linear"},
+    # a backend's own weight layout for dense linears (None: keep the plain [N, K] weight)
+    "pack_linear_weight": {"torch": pack_linear_weight_ref, "cpu": f"{_CPU}:pack_linear_weight"},
+    "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
 }
 
 

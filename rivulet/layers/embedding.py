@@ -51,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading
+        self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading (compact or packed weight)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -40,13 +40,13 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading
+        self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading (compact or packed weight)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) through the quantized weight when there is one."""
+        """x W^T (+ bias) through the quantized or prepacked weight when there is one."""
         return F.linear(x, self.weight, bias) if self.quant is None else self.quant(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

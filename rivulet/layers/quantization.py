@@ -1,4 +1,4 @@
-"""Weight-only quantization applied to a loaded model (CPU).
+"""Weight formats applied to a loaded model: weight-only quantization (CPU) and prepacked weights.
 
 Every linear layer (but MoE routers) and the LM head get a compact copy of their weight, read by the VNNI kernels
 of `rivulet.kernels.cpu` (activations are quantized to int8 in blocks on the fly):
@@ -14,9 +14,17 @@ Steps with at most `max_rows` rows (decode of small batches) read the compact co
 the bytes of a bf16 weight, which is what a memory-bound matrix-vector product costs. Bigger steps
 (prefill chunks, large batches) are compute-bound, where the bf16/AMX matmul on the original
 weight is faster, so the original is kept too (the compact copy adds 30-50% to a bf16 model).
+
+`prepack_model` then gives every dense linear (and the big-step side of a quantized one) its weight
+in the kernel backend's own layout when the backend has one (`pack_linear_weight`: on CPU oneDNN's
+blocked layout for bf16, instead of a repack inside every call). The packed copy replaces the plain
+weight, unless another module shares it (a tied LM head's embedding).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +34,9 @@ from rivulet.config import RivuletError
 from rivulet.kernels.ops import get_op
 from rivulet.kernels.quant import quantize_int4_weight, quantize_int8_weight
 from rivulet.layers.embedding import ParallelLMHead
+from rivulet.layers.linear import LinearBase
+
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (x, weight, bias) -> y
 
 QUANTIZATIONS = ("int8", "int4")
 MAX_ROWS = 8  # the crossover with the bf16 matmul on AVX512-VNNI + AMX, 2 threads
@@ -39,11 +50,12 @@ class WeightOnly:
         w = weight.detach()
         self.tensors = quantize_int8_weight(w) if method == "int8" else quantize_int4_weight(w)
         self._linear = get_op(f"{method}_linear")
+        self.dense: Linear = F.linear  # big steps; prepack_model may swap in a packed weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= self.max_rows:
             return self._linear(x, *self.tensors, bias)
-        return F.linear(x, weight, bias)
+        return self.dense(x, weight, bias)
 
     @property
     def nbytes(self) -> int:
@@ -67,3 +79,35 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
                 module.register_buffer(f"quant_{i}", t, persistent=False)
             total += module.quant.nbytes
     return total
+
+
+class Prepacked:
+    """y = x W^T + b through W packed once in the kernel backend's layout (the `weight` argument is unused)."""
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+        self._linear = get_op("packed_linear")
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._linear(x, self.packed, bias)
+
+
+def prepack_model(model: nn.Module) -> int:
+    """Pack the weight of every dense linear the kernel backend has a layout for; returns how many."""
+    pack = get_op("pack_linear_weight")
+    users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False) if not p.is_mkldnn)
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (LinearBase, ParallelLMHead)) or module.weight.is_mkldnn:
+            continue
+        packed = pack(module.weight)
+        if packed is None:
+            continue
+        if isinstance(module.quant, WeightOnly):
+            module.quant.dense = Prepacked(packed)
+        else:
+            module.quant = Prepacked(packed)
+        if users[module.weight.data_ptr()] == 1:  # nobody else reads the plain copy: drop it
+            module.weight = nn.Parameter(packed, requires_grad=False)
+        count += 1
+    return count

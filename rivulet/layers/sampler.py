@@ -343,11 +343,13 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        q.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # Exp(1) can return 0 in floating point; 0 / 0 would be NaN and win the argmax.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
+        q[row].uniform_(generator=generator)
+    # q = -log(U) ~ Exp(1): torch's exponential_ is ~6x slower on CPU (19 ms for 16 x 49152 here,
+    # most of a decode step). U = 0 gives q = inf, a token that cannot win; the clamp keeps
+    # 0 / 0 from being NaN (which would win the argmax).
+    q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
 
 

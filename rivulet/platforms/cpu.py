@@ -76,10 +76,11 @@ class CpuPlatform(Platform):
         return huge_page_bytes(n * dtype.itemsize).view(dtype).view(shape)
 
     def place_module(self, module: nn.Module) -> None:
-        """Copy every parameter and buffer (shared ones once) into one huge-page arena."""
+        """Copy every parameter and buffer (shared ones once) into one huge-page arena; tensors in
+        a kernel library's own layout (oneDNN's opaque packed weights) stay where they are."""
         tensors: dict[int, torch.Tensor] = {}
         for t in [*module.parameters(), *module.buffers()]:
-            if t.device.type == "cpu" and t.numel():
+            if t.device.type == "cpu" and t.numel() and not t.is_mkldnn:
                 tensors.setdefault(t.data_ptr(), t)
         align = 64
         sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in tensors.items()}

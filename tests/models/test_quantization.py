@@ -8,7 +8,7 @@ import torch
 
 from helpers.runner import make_runner, teacher_forced_logits
 from rivulet.config import RivuletError
-from rivulet.layers.quantization import MAX_ROWS, quantize_model
+from rivulet.layers.quantization import MAX_ROWS, Prepacked, WeightOnly, quantize_model
 from rivulet.worker.batch import SeqChunk
 
 # (min cosine of decode logits vs float32, per method): int4 on N(0, 0.15) random weights is coarse
@@ -48,3 +48,46 @@ def test_unknown_method_is_a_clear_error(tiny_model_dir):
     r = make_runner(path)
     with pytest.raises(RivuletError, match="unknown quantization 'int3'; supported: int8, int4"):
         quantize_model(r.model, "int3")
+
+
+def test_bf16_linears_are_prepacked_once(tiny_model_dir):
+    """bf16 on CPU: every dense linear reads oneDNN's packed copy, which replaces the plain weight
+    except where another module shares it (the tied LM head's embedding); logits are unchanged."""
+    from rivulet.kernels.cpu import ops as cpu_ops
+    import rivulet.models.loader as loader
+
+    if not cpu_ops.PACKED_BF16:
+        pytest.skip("this PyTorch build has no oneDNN bf16 matmul")
+    path, _ = tiny_model_dir("llama3-rope-tied")
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    r = make_runner(path, dtype="bfloat16")
+    layer = r.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj.quant, Prepacked) and layer.mlp.down_proj.weight.is_mkldnn
+    assert isinstance(r.model.lm_head.quant, Prepacked)
+    assert not r.model.lm_head.weight.is_mkldnn  # shared with the embedding, which looks rows up
+    assert r.model.lm_head.weight is r.model.model.embed_tokens.weight
+    untied = make_runner(tiny_model_dir("llama")[0], dtype="bfloat16")
+    assert isinstance(untied.model.lm_head.quant, Prepacked) and untied.model.lm_head.weight.is_mkldnn
+    got = teacher_forced_logits(r, ids, chunks=[12], blocks=list(range(12)))
+
+    original = loader.prepack_model
+    loader.prepack_model = lambda model: 0
+    try:
+        plain = make_runner(path, dtype="bfloat16")
+    finally:
+        loader.prepack_model = original
+    assert plain.model.model.layers[0].mlp.down_proj.quant is None
+    assert torch.equal(got, teacher_forced_logits(plain, ids, chunks=[12], blocks=list(range(12))))
+
+
+def test_quantized_big_steps_use_the_packed_weight(tiny_model_dir):
+    from rivulet.kernels.cpu import ops as cpu_ops
+
+    if not cpu_ops.PACKED_BF16:
+        pytest.skip("this PyTorch build has no oneDNN bf16 matmul")
+    path, _ = tiny_model_dir("llama")
+    r = make_runner(path, dtype="bfloat16", quantization="int8")
+    q = r.model.model.layers[0].self_attn.o_proj.quant
+    assert isinstance(q, WeightOnly) and isinstance(q.dense, Prepacked)
+    assert r.model.model.layers[0].self_attn.o_proj.weight.is_mkldnn
+    assert r.forward([SeqChunk(list(range(MAX_ROWS + 4)), 0, [0, 1, 2, 3])]).shape == (1, 256)

@@ -1,9 +1,11 @@
 """The CPU kernel backend: the compiled ops of `rivulet.kernels.cpu` behind the reference
-signatures, or the references themselves when the extension could not be built."""
+signatures, or the references themselves when the extension could not be built; and bf16 linears
+through oneDNN on weights packed once (`pack_linear_weight`)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
@@ -59,6 +61,25 @@ def int4_linear(
 ) -> torch.Tensor:
     k = x.shape[-1]
     return _ext.int4_linear(x.reshape(-1, k), weight, scale, minv, bias).reshape(*x.shape[:-1], -1)
+
+
+# oneDNN (AMX or AVX512-BF16) matmuls on a weight already in its blocked layout: F.linear on a
+# plain [N, K] weight repacks it at every call, which costs a decode step ~1.2x and a 64-row step
+# ~1.4x of the matmul time here (docs/cpu.md). Results are bitwise those of F.linear at decode sizes.
+PACKED_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] in oneDNN's layout for `packed_linear`, or None where it would not pay (not bf16)."""
+    if not PACKED_BF16 or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not packed.is_mkldnn:
+        return F.linear(x, packed, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 if not AVAILABLE:  # same names, reference arithmetic

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rivulet.config import ModelConfig, RivuletError
-from rivulet.layers.quantization import quantize_model
+from rivulet.layers.quantization import prepack_model, quantize_model
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader.dummy import init_dummy_weights
 from rivulet.models.loader.gguf import GGUFCheckpoint
@@ -50,4 +50,5 @@ def load_model(cfg: ModelConfig, src: ModelSource, dtype: torch.dtype, device: t
             raise RivuletError(f"cannot load weights from {src.path}: {e}") from None
         check_all_loaded(model, loaded)
     quantize_model(model, cfg.quantization)
+    prepack_model(model)
     return model.eval(), arch
