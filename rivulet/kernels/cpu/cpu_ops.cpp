@@ -21,6 +21,18 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+// v rounded to T (round to nearest even for bf16, as a float), and stored as T.
+inline __m512 round_to(float, __m512 v) { return v; }
+inline __m512 round_to(at::BFloat16, __m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {  // v already rounded
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
 #endif
 
 // sum_d q[d] * k[d], q in float.
@@ -135,6 +147,22 @@ std::vector<torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q
       TT* d0 = dst.data_ptr<TT>() + t * dst.stride(0);
       for (int64_t h = 0; h < H; ++h) {
         const TT* s = s0 + h * src.stride(1); TT* d = d0 + h * D;
+#ifdef __AVX512F__
+        if (!interleaved) {  // neox pairs (i, i + half): 16 pairs per vector
+          for (int64_t i = 0; i < half; i += 16) {
+            const __mmask16 m = tail_mask(half - i);
+            const __m512 c = round_to(TT{}, _mm512_maskz_loadu_ps(m, cs + i));
+            const __m512 sn = round_to(TT{}, _mm512_maskz_loadu_ps(m, cs + half + i));
+            const __m512 x1 = load16(s + i, m), x2 = load16(s + half + i, m);
+            const __m512 p1 = round_to(TT{}, _mm512_mul_ps(x1, c)), p2 = round_to(TT{}, _mm512_mul_ps(x2, sn));
+            const __m512 p3 = round_to(TT{}, _mm512_mul_ps(x2, c)), p4 = round_to(TT{}, _mm512_mul_ps(x1, sn));
+            store16(d + i, round_to(TT{}, _mm512_sub_ps(p1, p2)), m);
+            store16(d + half + i, round_to(TT{}, _mm512_add_ps(p3, p4)), m);
+          }
+          for (int64_t i = rot; i < D; ++i) d[i] = s[i];
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           // the reference rounds cos/sin to the activation dtype and each product to it too
           const float c = f32(static_cast<TT>(cs[i])), sn = f32(static_cast<TT>(cs[half + i]));
@@ -361,22 +389,6 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
   });
 }
 
-#ifdef __AVX512F__
-namespace {
-// v rounded to T (round to nearest even for bf16, as a float), and stored as T.
-inline __m512 round_to(float, __m512 v) { return v; }
-inline __m512 round_to(at::BFloat16, __m512 v) {
-  __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {  // v already rounded
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-}  // namespace
-#endif
 
 // out [..., d] = round(silu(x[..., :d])) * x[..., d:], rounded to T: the reference's two roundings
 // (SiLU as x / (1 + exp(-x)) in float, like PyTorch's kernel).

@@ -33,14 +33,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _ext.silu_and_mul(x)
 
 
-ROTARY_MAX_ROWS = 16  # the C++ loop is scalar: beyond this PyTorch's vectorized ops win
-
-
 def apply_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.shape[0] > ROTARY_MAX_ROWS:
-        return apply_rotary_ref(positions, q, k, cos_sin_cache, interleaved)
     qo, ko = _ext.apply_rotary(positions, q, k, cos_sin_cache, interleaved)
     return qo, ko
 
