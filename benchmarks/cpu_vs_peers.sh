@@ -49,7 +49,9 @@ start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
             VLLM_CPU_KVCACHE_SPACE=2 LD_PRELOAD="$tc:$iomp" \
                 "$VLLM/bin/vllm" serve "$HF_DIR" --served-model-name default --dtype bfloat16 --port "$PORT" \
                 --max-num-seqs 64 --max-model-len 2048 --no-enable-log-requests > "$OUT/${sys}_serve.log" 2>&1 & ;;
-        llamacpp) "$LLAMA_SERVER" -m "$GGUF" -t "$(nproc)" -c 16384 -np 64 --port "$PORT" \
+        # --no-repack: ggml's AMX path for Q4_1 (its only repacked layout for that type) dies with SIGILL
+        # (tilezero) in the VMs this runs on, where oneDNN's AMX works; the AVX512-VNNI kernels remain
+        llamacpp) "$LLAMA_SERVER" -m "$GGUF" -t "$(nproc)" -c 16384 -np 64 --no-repack --port "$PORT" \
                      > "$OUT/${sys}_serve.log" 2>&1 & ;;
     esac
     PID=$!
