@@ -43,15 +43,16 @@ start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
                      --max-model-len 2048 --disable-uvicorn-access-log > "$OUT/${sys}_serve.log" 2>&1 & ;;
         vllm)
             local tc iomp
-            tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
-            iomp=$(find "$VLLM/lib" -name 'libiomp5.so' | head -1)
+            tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 / && !f {print $NF; f = 1}')  # no early exit: SIGPIPE under pipefail
+            iomp=$(find "$VLLM/lib" -name 'libiomp5.so' -print -quit)
             VLLM_CPU_OMP_THREADS_BIND=0-$(( $(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_USE_AOT_COMPILE=0 \
             VLLM_CPU_KVCACHE_SPACE=2 LD_PRELOAD="$tc:$iomp" \
                 "$VLLM/bin/vllm" serve "$HF_DIR" --served-model-name default --dtype bfloat16 --port "$PORT" \
                 --max-num-seqs 64 --max-model-len 2048 --no-enable-log-requests > "$OUT/${sys}_serve.log" 2>&1 & ;;
         # --no-repack: ggml's AMX path for Q4_1 (its only repacked layout for that type) dies with SIGILL
         # (tilezero) in the VMs this runs on, where oneDNN's AMX works; the AVX512-VNNI kernels remain
-        llamacpp) "$LLAMA_SERVER" -m "$GGUF" -t "$(nproc)" -c 16384 -np 64 --no-repack --port "$PORT" \
+        # one KV pool shared by the 64 slots (-kvu), about the tokens the others hold, so a 1024-token prompt fits
+        llamacpp) "$LLAMA_SERVER" -m "$GGUF" -t "$(nproc)" -c 98304 -np 64 -kvu --no-repack --port "$PORT" \
                      > "$OUT/${sys}_serve.log" 2>&1 & ;;
     esac
     PID=$!
@@ -82,7 +83,8 @@ for sys in $SYSTEMS; do
         log "$sys row $row: $n x $in/$out at $c"
         .venv/bin/rivulet bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer default --label "$sys" \
             --dataset random --input-len "$in" --output-len "$out" --num-prompts "$n" --max-concurrency "$c" \
-            --ignore-eos --disable-tqdm --max-duration-s "$POINT_S" --result-json "$OUT/${sys}_row${row}.json" > /dev/null
+            --ignore-eos --disable-tqdm --max-duration-s "$POINT_S" --result-json "$OUT/${sys}_row${row}.json" \
+            > "$OUT/${sys}_row${row}.log" 2>&1 || log "rivulet bench serve failed for $sys row $row (see the log)"
         if [[ -x $VLLM/bin/vllm ]]; then
             "$VLLM/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" --model default \
                 --tokenizer "$HF_DIR" --dataset-name random --random-input-len "$in" --random-output-len "$out" \
