@@ -13,6 +13,7 @@ from helpers.runner import make_runner, teacher_forced_logits
 from rivulet.config import RivuletError
 from rivulet.models.loader import resolve_model
 from rivulet.models.loader.gguf import GGUFCheckpoint, unpermute_qk
+from rivulet.models.loader.gguf_file import GGUFFile
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -79,3 +80,27 @@ def test_not_a_gguf_file(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(RivuletError, match="cannot read GGUF file"):
         GGUFCheckpoint(resolve_model(str(tmp_path / "junk.gguf")))
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q4_1, QT.Q8_0])
+def test_reader_equals_the_gguf_package(qtype, tmp_path, tiny_model_dir):
+    """Our struct-based reader gives the `gguf` package's GGUFReader values and tensor views."""
+    _, hf = tiny_model_dir("llama")
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, qtype)
+    w = gguf.GGUFWriter(str(tmp_path / "kv.gguf"), "llama")  # every value type the format has
+    w.add_uint8("a.u8", 7), w.add_int64("a.i64", -3), w.add_float32("a.f32", 0.5), w.add_bool("a.b", True)
+    w.add_float64("a.f64", 1e-9), w.add_array("a.strs", ["x", "é", ""]), w.add_array("a.ints", [1, 2, 3])
+    w.add_tensor("t", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    for p in (path, tmp_path / "kv.gguf"):
+        ours, ref = GGUFFile(str(p)), gguf.GGUFReader(str(p))
+        want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        assert ours.fields == want
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for a, b in zip(ours.tensors, ref.tensors):
+            assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape)
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(RivuletError, match="cannot read GGUF file"):
+        GGUFCheckpoint(resolve_model(str(tmp_path / "cut.gguf")))

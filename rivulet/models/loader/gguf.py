@@ -14,10 +14,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from rivulet.config import RivuletError
+from rivulet.models.loader.gguf_file import GGUFFile
 from rivulet.models.loader.source import ModelSource
 
 SUPPORTED_TYPES = {
@@ -61,7 +61,7 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 class GGUFCheckpoint:
     def __init__(self, src: ModelSource) -> None:
         try:
-            self.reader = GGUFReader(str(src.gguf_path))
+            self.reader = GGUFFile(str(src.gguf_path))
         except (OSError, ValueError) as e:
             raise RivuletError(f"cannot read GGUF file {src.gguf_path}: {e}") from None
         self.arch = str(self.field("general.architecture"))
@@ -75,8 +75,7 @@ class GGUFCheckpoint:
             raise RivuletError("GGUF rope frequency factors (rope_freqs.weight) are not supported yet")
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.reader.fields.get(key, default)
 
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.arch}.{key}", default)
