@@ -23,7 +23,7 @@ LoadFormat = Literal["auto", "dummy"]
 Quantization = Literal["int8", "int4"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: path or name, weights format, numeric type, context length."""
 
@@ -37,7 +37,7 @@ class ModelConfig:
     quantization: Quantization | None = None  # CPU weight-only int8/int4 (rivulet/layers/quantization.py)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size and how much memory it may take."""
 
@@ -48,18 +48,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """The per-step budget: how many tokens and requests one flat batch may hold."""
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048  # filled from the model by EngineConfig.finalize
+    max_model_len: int = 2048  # the engine core's copy holds the model's value (EngineCore._setup)
     # schedule step N+1 while step N runs (rivulet/engine/core.py); None: the platform's default
     async_scheduling: bool | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over ranks (see docs/parallelism.md); world size = tp * pp."""
 
@@ -76,7 +76,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

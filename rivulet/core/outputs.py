@@ -1,13 +1,14 @@
 """Plain-data messages the scheduler hands out: to the model runner and to the engine.
 
-Only ints, strs, lists, dicts and sets (plus the opaque ``sampling_params``), so they
-pickle or msgpack cheaply across process boundaries.
+Only ints, strs, lists, dicts and sets (plus the request's ``SamplingParams``, opaque to the
+scheduler), so msgspec encodes them, and rebuilds them from their annotations, across processes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from rivulet.sampling_params import SamplingParams  # a leaf module: carried, never read, by the scheduler
 
 
 @dataclass
@@ -23,7 +24,7 @@ class NewRequestData:
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    sampling_params: Any = None
+    sampling_params: SamplingParams | None = None
 
 
 @dataclass

@@ -209,3 +209,20 @@ def pipeline_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     record("recv", _nbytes(x), 0)
     dist.recv(x, src=state.stage_rank(state.pp_rank - 1))
     return x
+
+
+def broadcast_bytes(data: bytes | None, src: int) -> bytes:
+    """`data` (not empty) of rank `src` on every rank (the others pass None), as two broadcasts over
+    the default group: its length, then the bytes (a control message: not in the comm statistics)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = dist.get_rank() == src
+    if mine and not data:
+        raise ValueError("broadcast_bytes: the source rank must pass a non-empty message")
+    size = torch.tensor([len(data) if mine else 0], dtype=torch.int64, device=device)  # type: ignore[arg-type]
+    dist.broadcast(size, src=src)
+    if mine:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)  # type: ignore[arg-type]
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src)
+    return data if mine else buf.cpu().numpy().tobytes()  # type: ignore[return-value]

@@ -23,7 +23,8 @@ import zmq.asyncio
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.engine.core import ModelInfo
-from rivulet.engine.messages import decode_info, decode_outputs, encode_request, pack, unpack
+from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Outputs, Ready, Shutdown, Stats, Stop,
+                                     encode, from_core_decoder)
 from rivulet.engine.outputs import RequestOutput
 from rivulet.engine.processor import PromptType, RequestProcessor
 from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -74,11 +75,11 @@ class AsyncLLM:
         deadline = asyncio.get_running_loop().time() + timeout
         while asyncio.get_running_loop().time() < deadline:
             if await self._from_core.poll(200):
-                kind, payload = unpack(await self._from_core.recv())
-                if kind == "ready":
-                    return decode_info(payload)
-                if kind == "failed":
-                    raise RivuletError(str(payload).strip())
+                msg = from_core_decoder.decode(await self._from_core.recv())
+                if isinstance(msg, Ready):
+                    return msg.info
+                if isinstance(msg, Failed):
+                    raise RivuletError(msg.message.strip())
             if self._proc.poll() is not None:
                 raise RivuletError(f"the engine process exited during start-up (exit code {self._proc.returncode})")
         raise RivuletError(f"the engine did not start within {timeout:.0f} s")
@@ -110,7 +111,7 @@ class AsyncLLM:
         finished = False
         try:
             for r in core_requests:
-                await self._to_core.send(pack("add", encode_request(r)))
+                await self._to_core.send(encode(AddRequest.of(r)))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -133,34 +134,34 @@ class AsyncLLM:
     async def _abort_quietly(self, request_id: str) -> None:
         ids = self.processor.abort(request_id)
         if ids and not self._dead:
-            await self._to_core.send(pack("abort", ids))
+            await self._to_core.send(encode(Abort(ids)))
 
     async def get_stats(self) -> dict:
         if self._dead:
             raise EngineDeadError(self._dead)
         fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        await self._to_core.send(pack("stats"))
+        await self._to_core.send(encode(GetStats()))
         return await asyncio.wait_for(fut, 10)
 
     # ---- background tasks ----
 
     async def _output_loop(self) -> None:
         while True:
-            kind, payload = unpack(await self._from_core.recv())
-            if kind == "outputs":
-                outputs, stopped = self.processor.process(decode_outputs(payload))
+            msg = from_core_decoder.decode(await self._from_core.recv())
+            if isinstance(msg, Outputs):
+                outputs, stopped = self.processor.process(msg.outputs)
                 if stopped:
-                    await self._to_core.send(pack("stop", stopped))
+                    await self._to_core.send(encode(Stop(stopped)))
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-            elif kind == "stats":
+            elif isinstance(msg, Stats):
                 while self._stats_waiters:  # a waiter that timed out is already done: skip it
                     fut = self._stats_waiters.pop(0)
                     if not fut.done():
-                        fut.set_result(payload)
+                        fut.set_result(msg.stats)
                         break
 
     async def _watch_process(self) -> None:
@@ -182,7 +183,7 @@ class AsyncLLM:
             t.cancel()
         if self._proc.poll() is None:
             try:
-                await asyncio.wait_for(self._to_core.send(pack("shutdown")), 1)
+                await asyncio.wait_for(self._to_core.send(encode(Shutdown())), 1)
                 await asyncio.get_running_loop().run_in_executor(None, self._proc.wait, 5)
             except (asyncio.TimeoutError, zmq.ZMQError, subprocess.TimeoutExpired):
                 self._proc.kill()

@@ -17,6 +17,8 @@ With a draft-token proposer the loop runs synchronously (drafts need the last to
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,7 +71,9 @@ class EngineCore:
         if model_len > arch.max_position_embeddings:
             raise RivuletError(f"max_model_len {model_len} exceeds the model's context length "
                                f"({arch.max_position_embeddings})")
-        config.scheduler.max_model_len = model_len
+        # configs are frozen: the core keeps a copy whose scheduler knows the model's length
+        self.config = config = dataclasses.replace(
+            config, scheduler=dataclasses.replace(config.scheduler, max_model_len=model_len))
         num_blocks = self.executor.determine_num_blocks()
         bs = config.cache.block_size
         if num_blocks * bs < model_len:

@@ -16,8 +16,10 @@ import zmq
 
 from rivulet.config import EngineConfig
 from rivulet.core.request import RequestStatus
-from rivulet.engine.core import EngineCore
-from rivulet.engine.messages import decode_request, encode_info, encode_outputs, pack, unpack
+from rivulet.core.outputs import EngineCoreOutput
+from rivulet.engine.core import EngineCore, StepOutput
+from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Outputs, Ready, Shutdown, Stats, Stop,
+                                     encode, to_core_decoder)
 from rivulet.models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -41,35 +43,36 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     try:
         core = EngineCore(config, resolve_model(config.model.model))
     except Exception as e:  # report the load failure as a message, not a silent death
-        outbox.send(pack("failed", str(e) if isinstance(e, ValueError) else traceback.format_exc()))
+        outbox.send(encode(Failed(str(e) if isinstance(e, ValueError) else traceback.format_exc())))
         outbox.close(linger=2000)
         return
-    outbox.send(pack("ready", encode_info(core.model_info())))
+    outbox.send(encode(Ready(core.model_info())))
     try:
         while True:
             timeout = 0 if core.has_unfinished_requests() else 500
             while inbox.poll(timeout):
-                kind, payload = unpack(inbox.recv())
-                if kind == "add":
+                msg = to_core_decoder.decode(inbox.recv())
+                if isinstance(msg, AddRequest):
                     try:
-                        core.add_request(decode_request(payload))
+                        core.add_request(msg.to_request())
                     except ValueError as e:  # the front end validates first; this is a last guard
-                        outbox.send(pack("outputs", [[payload["id"], [], "error", None, 0, str(e), [], None]]))
-                elif kind == "abort":
-                    core.abort_requests(payload)
-                elif kind == "stop":
-                    core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
-                elif kind == "stats":
+                        error = EngineCoreOutput(msg.request_id, [], "error", error=str(e))
+                        outbox.send(encode(Outputs([StepOutput(error)])))
+                elif isinstance(msg, Abort):
+                    core.abort_requests(msg.request_ids)
+                elif isinstance(msg, Stop):
+                    core.finish_requests(msg.request_ids, RequestStatus.FINISHED_STOPPED)
+                elif isinstance(msg, GetStats):
                     stats = dataclasses.asdict(core.scheduler.get_stats()) | {"num_blocks": core.num_blocks}
-                    outbox.send(pack("stats", stats))
-                elif kind == "shutdown":
+                    outbox.send(encode(Stats(stats)))
+                elif isinstance(msg, Shutdown):
                     core.shutdown()
                     return
                 timeout = 0
             if core.has_unfinished_requests():
                 outs = core.step()
                 if outs:
-                    outbox.send(pack("outputs", encode_outputs(outs)))
+                    outbox.send(encode(Outputs(outs)))
             elif os.getppid() != parent:
                 return  # orphaned: the front end is gone
     finally:

@@ -17,6 +17,7 @@ from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import ParallelState, set_parallel_state
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource, load_arch_config
+from rivulet.worker.commands import AllocateKVCache, Execute, Gather, SetEosTokenIds, Shutdown, WorkerCommand
 from rivulet.worker.outputs import ModelRunnerOutput
 from rivulet.worker.worker import Worker
 
@@ -86,22 +87,22 @@ class MultiprocExecutor:
     def _dead_ranks(self) -> list[str]:
         return [p.args[3] for p in self.procs if p.poll() is not None]
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """Every rank runs `method`. One call at a time: the engine's step thread and a caller's
+    def _call(self, command: WorkerCommand) -> Any:
+        """Every rank runs `command`. One call at a time: the engine's step thread and a caller's
         `collect` must not interleave their collectives."""
         with self._lock:
             dead = self._dead_ranks()
             if dead:
                 raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
-            Worker.broadcast_command((method, args))
-            return self.worker.call(method, args)
+            Worker.broadcast_command(command)
+            return self.worker.run(command)
 
     @property
     def arch_config(self) -> ArchConfig:
         return self.worker.runner.arch
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
-        self._call("set_eos_token_ids", set(ids))
+        self._call(SetEosTokenIds(sorted(ids)))
 
     def determine_num_blocks(self) -> int:
         return self.worker.runner.num_blocks_for_budget()  # ranks are symmetric: rank 0 decides
@@ -110,20 +111,20 @@ class MultiprocExecutor:
         return self.worker.runner.kv_bytes_per_block()
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self._call("allocate_kv_cache", num_blocks)
+        self._call(AllocateKVCache(num_blocks))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute", out)
+        return self._call(Execute(out))
 
     def collect(self, name: str) -> list[Any]:
         """Every rank's statistics `name` (see `Worker.local_stats`), in rank order."""
-        return self._call("gather", name)
+        return self._call(Gather(name))
 
     def shutdown(self) -> None:
         if dist.is_initialized():
             if not self._dead_ranks():  # with a rank gone the broadcast could wait out the gloo timeout;
                 try:                    # the survivors stop once rank 0's sockets close
-                    Worker.broadcast_command(("shutdown", ()))
+                    Worker.broadcast_command(Shutdown())
                 except RuntimeError:
                     pass
             dist.destroy_process_group()

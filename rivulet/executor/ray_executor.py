@@ -19,6 +19,7 @@ from rivulet.distributed import ParallelState, set_parallel_state
 from rivulet.executor.multiproc import MultiprocExecutor, _free_port, check_parallel
 from rivulet.models.loader import ModelSource, load_arch_config
 from rivulet.platforms import current_platform
+from rivulet.worker.commands import Gather, Shutdown
 from rivulet.worker.worker import Worker
 
 
@@ -101,7 +102,7 @@ class RayExecutor(MultiprocExecutor):
         if dist.is_initialized():
             if not self._dead_ranks():  # with a rank gone the broadcast could wait out the gloo timeout;
                 try:                    # the survivors stop once rank 0's sockets close
-                    Worker.broadcast_command(("shutdown", ()))
+                    Worker.broadcast_command(Shutdown())
                 except RuntimeError:
                     pass
             dist.destroy_process_group()
@@ -119,4 +120,4 @@ class RayExecutor(MultiprocExecutor):
             self.pg = None
 
     def collect(self, name: str) -> list[Any]:
-        return self._call("gather", name)
+        return self._call(Gather(name))

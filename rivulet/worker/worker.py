@@ -3,6 +3,7 @@ and executes whatever rank 0 broadcasts.
 
 Rank 0 lives in the engine's process (driven by `MultiprocExecutor`); ranks 1..N-1 run
 `python -m rivulet.worker.worker RANK WORLD_SIZE INIT_METHOD` with the EngineConfig on stdin.
+Rank 0 broadcasts each call as a typed command (`rivulet.worker.commands`, msgpack bytes).
 Every rank runs the same step on the same SchedulerOutput; the LM head's all-gather gives all
 ranks identical logits and identically seeded samplers, so their persistent batches stay equal.
 With pipeline parallelism only the last stage samples: it broadcasts the step's output to every
@@ -20,10 +21,13 @@ import torch
 import torch.distributed as dist
 
 from rivulet.config import EngineConfig
-from rivulet.distributed import get_comm_stats, init_distributed, reset_comm_stats
+from rivulet.distributed import broadcast_bytes, get_comm_stats, init_distributed, reset_comm_stats
 from rivulet.models.loader import ModelSource, resolve_model
 from rivulet.platforms import current_platform
+from rivulet.worker.commands import (AllocateKVCache, Execute, Gather, SetEosTokenIds, Shutdown, WorkerCommand,
+                                     decode_command, decode_runner_output, encode)
 from rivulet.worker.model_runner import ModelRunner
+from rivulet.worker.outputs import ModelRunnerOutput
 
 
 class Worker:
@@ -40,23 +44,27 @@ class Worker:
         self.runner = ModelRunner(config.model, config.cache, source)
         self.step_time_s, self.steps = 0.0, 0
 
-    def call(self, method: str, args: tuple) -> Any:
-        if method == "execute":
-            return self.execute(*args)
-        if method == "gather":
-            return self.gather(*args)
-        return getattr(self.runner, method)(*args)
+    def run(self, command: WorkerCommand) -> Any:
+        """Carry out one of rank 0's commands (every rank runs each one)."""
+        if isinstance(command, Execute):
+            return self.execute(command.out)
+        if isinstance(command, Gather):
+            return self.gather(command.name)
+        if isinstance(command, SetEosTokenIds):
+            return self.runner.set_eos_token_ids(set(command.ids))
+        if isinstance(command, AllocateKVCache):
+            return self.runner.allocate_kv_cache(command.num_blocks)
+        raise TypeError(f"not a command a worker runs: {command!r}")
 
-    def execute(self, out: Any) -> Any:
+    def execute(self, out: Any) -> ModelRunnerOutput:
         start = time.perf_counter()
         result = self.runner.execute(out)
         st = self.state
         if st.pp_size > 1 and not out.is_empty:
             last = st.world_size - st.tp_size  # rank 0 of the last stage's tensor-parallel group
-            box = [result if self.rank == last else None]
-            dist.broadcast_object_list(box, src=last)
+            data = broadcast_bytes(encode(result) if self.rank == last else None, src=last)
             if not st.is_last_stage:
-                result = box[0]
+                result = decode_runner_output(data)
                 self.runner.append_sampled(result.sampled_token_ids)
         self.step_time_s += time.perf_counter() - start
         self.steps += 1
@@ -93,19 +101,18 @@ class Worker:
         return out
 
     @staticmethod
-    def broadcast_command(command: tuple | None) -> tuple:
+    def broadcast_command(command: WorkerCommand | None) -> WorkerCommand:
         """Rank 0 passes the command; every rank returns it."""
-        box = [command]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
+        data = broadcast_bytes(encode(command) if command is not None else None, src=0)
+        return command if command is not None else decode_command(data)
 
     def serve_forever(self) -> None:
         """Ranks > 0: execute rank 0's commands until told to stop (or rank 0 disappears)."""
         while True:
-            method, args = self.broadcast_command(None)
-            if method == "shutdown":
+            command = self.broadcast_command(None)
+            if isinstance(command, Shutdown):
                 return
-            self.call(method, args)
+            self.run(command)
 
 
 def main() -> None:
