@@ -12,7 +12,7 @@ from helpers.gguf_writer import permute_qk, write_gguf
 from helpers.runner import make_runner, teacher_forced_logits
 from rivulet.config import RivuletError
 from rivulet.models.loader import resolve_model
-from rivulet.models.loader.gguf import GGUFCheckpoint, unpermute_qk
+from rivulet.models.loader.gguf import GGUFCheckpoint, dequantize_tensor, unpermute_qk
 from rivulet.models.loader.gguf_file import GGUFFile
 
 
@@ -46,6 +46,20 @@ def test_quantized_tensors_decode_exactly(qtype, tmp_path, tiny_model_dir):
     w = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"]
     err = (got["model.layers.0.self_attn.q_proj.weight"] - w).abs().max().item()
     assert 0 < err < 0.1 * w.abs().max().item()  # really quantized, and still the same weight
+
+
+@pytest.mark.parametrize("qtype,block_bytes,scales", [(QT.Q8_0, 34, 1), (QT.Q4_0, 18, 1), (QT.Q4_1, 20, 2)])
+def test_fast_dequantization_is_the_gguf_packages_bitwise(qtype, block_bytes, scales):
+    """Random blocks (every nibble and int8 value) with fp16 scales of every kind: normal, subnormal, zero, negative."""
+    rng = np.random.default_rng(int(qtype))
+    n = 64 * 96 // 32
+    raw = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+    sc = (rng.standard_normal((n, scales)) * np.float32(10.0) ** rng.integers(-7, 3, (n, scales))).astype(np.float16)
+    sc[:4] = np.array([0.0, -0.0, 6e-8, -65504.0], dtype=np.float16)[:, None]
+    raw[:, :2 * scales] = sc.view(np.uint8).reshape(n, 2 * scales)
+    data = raw.reshape(64, -1)
+    want = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(-1)
+    np.testing.assert_array_equal(dequantize_tensor(data, qtype).numpy(), want)
 
 
 def test_config_translation(tmp_path, tiny_model_dir):

@@ -1,6 +1,8 @@
 """GGUF files (llama.cpp's format): metadata -> Hugging Face config dict, tensors -> HF names.
 
-Quantized tensors are dequantized with the `gguf` package's reference dequantizers. llama.cpp
+Quantized tensors are dequantized to float32 by torch here for the common block types (Q8_0, Q4_0,
+Q4_1: bitwise the `gguf` package's values, ~10x faster than its numpy path, a start-up cost) and by
+the `gguf` package's reference dequantizers for the others. llama.cpp
 stores the q/k projections of "llama"-architecture models permuted for interleaved RoPE; they are
 permuted back here so every model uses the Hugging Face (neox) rotary layout.
 """
@@ -128,8 +130,7 @@ class GGUFCheckpoint:
         cfg = self.hf_config
         for t in self.reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))  # gguf lists dimensions fastest-first
-            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+            w = dequantize_tensor(t.data, t.tensor_type).view(shape)
             name = _NAMES.get(t.name)
             if name is None:
                 m = _BLOCK.match(t.name)
@@ -148,6 +149,26 @@ class GGUFCheckpoint:
                     n_head = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
                     w = unpermute_qk(w, n_head)
             yield name, w.to(dtype)
+
+
+_FAST_BLOCKS = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}  # bytes per block of 32 weights
+
+
+def dequantize_tensor(data: np.ndarray, ttype: QT) -> torch.Tensor:
+    """A GGUF tensor's values as a flat float32 tensor (the `gguf` package's dequantization, bitwise)."""
+    if ttype in (QT.F32, QT.F16, QT.BF16) or ttype not in _FAST_BLOCKS:
+        arr = np.asarray(dequantize(data, ttype), dtype=np.float32).reshape(-1)
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    blocks = torch.from_numpy(np.array(data, copy=True).reshape(-1, _FAST_BLOCKS[ttype]))  # the map is read-only
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if ttype == QT.Q8_0:
+        return (blocks[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
+    qs = blocks[:, 4:] if ttype == QT.Q4_1 else blocks[:, 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # elements 0-15: low nibbles, 16-31: high ones
+    if ttype == QT.Q4_0:
+        return (d * (q.to(torch.int8) - 8).float()).reshape(-1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * q.float() + m).reshape(-1)
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
