@@ -22,10 +22,9 @@ import zmq
 import zmq.asyncio
 
 from rivulet.config import EngineConfig, RivuletError
-from rivulet.engine.core import ModelInfo
 from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Outputs, Ready, Shutdown, Stats, Stop,
                                      encode, from_core_decoder)
-from rivulet.engine.outputs import RequestOutput
+from rivulet.engine.outputs import ModelInfo, RequestOutput
 from rivulet.engine.processor import PromptType, RequestProcessor
 from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
 from rivulet.models.loader import resolve_model

@@ -22,12 +22,12 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.core import KVCacheManager, Request, Scheduler
 from rivulet.core.outputs import EngineCoreOutput, SchedulerOutput
 from rivulet.core.request import Request, RequestStatus
+from rivulet.engine.outputs import ModelInfo, StepOutput
 from rivulet.engine.tokenizer import eos_token_ids
 from rivulet.executor import make_executor
 from rivulet.models.loader import ModelSource
@@ -35,24 +35,6 @@ from rivulet.platforms import current_platform
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelInfo:
-    """What the front end must know about the loaded model."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: set[int]
-
-
-@dataclass
-class StepOutput:
-    """One request's share of a step: the scheduler's verdict plus the runner's logprobs."""
-
-    core: EngineCoreOutput
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: tuple[int, list[TokenLogprobs | None]] | None = None  # (first position, entries)
 
 
 class EngineCore:

@@ -17,7 +17,8 @@ import zmq
 from rivulet.config import EngineConfig
 from rivulet.core.request import RequestStatus
 from rivulet.core.outputs import EngineCoreOutput
-from rivulet.engine.core import EngineCore, StepOutput
+from rivulet.engine.core import EngineCore
+from rivulet.engine.outputs import StepOutput
 from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Outputs, Ready, Shutdown, Stats, Stop,
                                      encode, to_core_decoder)
 from rivulet.models.loader import resolve_model

@@ -17,12 +17,16 @@ string; ``flush`` releases them when the request ends for another reason.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerBase
 
 from rivulet.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # transformers takes ~1 s to import: loaded with the tokenizer, off the start-up path
+    from transformers import PreTrainedTokenizerBase
 
 # How many prompt tokens give the first output tokens their left context.
 PROMPT_CONTEXT_TOKENS = 5

@@ -15,7 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from rivulet.core import Request
-from rivulet.engine.core import ModelInfo, StepOutput
+from rivulet.engine.outputs import ModelInfo, StepOutput
 from rivulet.sampling_params import SamplingParams
 
 

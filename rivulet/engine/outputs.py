@@ -1,8 +1,13 @@
-"""Results as users of vLLM know them: RequestOutput with one CompletionOutput per sample."""
+"""Results as users of vLLM know them: RequestOutput with one CompletionOutput per sample; and what
+the engine core hands the front end (ModelInfo once, StepOutputs every step). Plain data without
+torch, so that the API server process never imports it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from rivulet.core.outputs import EngineCoreOutput
+from rivulet.worker.outputs import TokenLogprobs
 
 
 @dataclass
@@ -44,3 +49,21 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+@dataclass
+class ModelInfo:
+    """What the front end must know about the loaded model."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
+
+
+@dataclass
+class StepOutput:
+    """One request's share of a step: the scheduler's verdict plus the runner's logprobs."""
+
+    core: EngineCoreOutput
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[int, list[TokenLogprobs | None]] | None = None  # (first position, entries)

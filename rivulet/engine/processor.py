@@ -8,17 +8,18 @@ strings, logprobs, and one RequestOutput per user request.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
 
 from rivulet.config import RivuletError
 from rivulet.core import Request
-from rivulet.engine.core import ModelInfo, StepOutput
 from rivulet.engine.detokenizer import IncrementalDetokenizer
-from rivulet.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from rivulet.engine.outputs import CompletionOutput, Logprob, ModelInfo, PositionLogprobs, RequestOutput, StepOutput
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker.outputs import TokenLogprobs
+
+if TYPE_CHECKING:  # transformers takes ~1 s to import: loaded with the tokenizer, off the start-up path
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | dict[str, Any] | list[int]
 

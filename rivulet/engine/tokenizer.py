@@ -10,11 +10,13 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from rivulet.config import RivuletError
 from rivulet.models.loader import ModelSource
+
+if TYPE_CHECKING:  # transformers takes ~1 s to import: the engine process needs only `eos_token_ids`
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
     """The model's tokenizer (or the one at `tokenizer`, a folder), with its chat template;
     None for a Hugging Face folder that ships no tokenizer files."""
+    from transformers import AutoTokenizer
+
     try:
         if tokenizer is not None:
             return AutoTokenizer.from_pretrained(tokenizer)

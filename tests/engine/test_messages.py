@@ -9,7 +9,7 @@ import pytest
 from rivulet.core import Request
 from rivulet.core.outputs import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from rivulet.engine import messages as m
-from rivulet.engine.core import ModelInfo, StepOutput
+from rivulet.engine.outputs import ModelInfo, StepOutput
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker import commands as c
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs

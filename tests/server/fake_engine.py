@@ -7,8 +7,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from rivulet.config import RivuletError
-from rivulet.engine.core import ModelInfo
-from rivulet.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from rivulet.engine.outputs import CompletionOutput, Logprob, ModelInfo, RequestOutput
 from rivulet.entrypoints.openai.engine_client import EngineDeadError
 from rivulet.sampling_params import SamplingParams
 

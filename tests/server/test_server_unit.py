@@ -229,3 +229,12 @@ def test_serve_reports_a_busy_port_in_one_line_before_loading() -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"rivulet: error: cannot listen on 127.0.0.1:{port}")
     assert time.monotonic() - t0 < 30  # no model was loaded
+
+
+def test_api_server_process_starts_without_torch_or_transformers() -> None:
+    """The front end spawns the engine right after its imports: torch (~1.5 s) and transformers (~1 s)
+    stay out of that path (transformers comes with the tokenizer, in a thread, while the engine loads)."""
+    code = ("import sys, rivulet.entrypoints.openai.api_server, rivulet.engine.async_llm, rivulet.engine.messages; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

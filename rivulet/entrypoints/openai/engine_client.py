@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Protocol
 
 from rivulet.engine.async_llm import EngineDeadError
-from rivulet.engine.core import ModelInfo
-from rivulet.engine.outputs import RequestOutput
+from rivulet.engine.outputs import ModelInfo, RequestOutput
 from rivulet.sampling_params import SamplingParams
 
 __all__ = ["EngineClient", "EngineDeadError", "PromptProcessor"]

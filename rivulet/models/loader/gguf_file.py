@@ -95,7 +95,15 @@ class GGUFFile:
             return self._string()
         if vtype == _ARRAY:
             etype, count = self._unpack("<I")[0], self._unpack("<Q")[0]
-            if etype in (_STRING, _ARRAY):
+            if etype == _STRING:  # the tokenizer's vocabulary and merges: ~150k strings, one tight loop
+                buf, off, out, length = self._buf, self._off, [], struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    (n,) = length(buf, off)
+                    out.append(str(buf[off + 8:off + 8 + n], "utf-8"))
+                    off += 8 + n
+                self._off = off
+                return out
+            if etype == _ARRAY:
                 return [self._value(etype) for _ in range(count)]
             fmt = _SCALARS[etype]
             values = list(struct.unpack_from(f"<{count}{fmt}", self._buf, self._off))
