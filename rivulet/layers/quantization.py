@@ -32,7 +32,7 @@ from torch import nn
 
 from rivulet.config import RivuletError
 from rivulet.kernels.ops import get_op
-from rivulet.kernels.quant import quantize_int4_weight, quantize_int8_weight
+from rivulet.kernels.quant import quantize_int8_weight
 from rivulet.layers.embedding import ParallelLMHead
 from rivulet.layers.linear import LinearBase
 
@@ -48,7 +48,7 @@ class WeightOnly:
     def __init__(self, method: str, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
         self.method, self.max_rows = method, max_rows
         w = weight.detach()
-        self.tensors = quantize_int8_weight(w) if method == "int8" else quantize_int4_weight(w)
+        self.tensors = quantize_int8_weight(w) if method == "int8" else get_op("quantize_int4_weight")(w)
         self._linear = get_op(f"{method}_linear")
         self.dense: Linear = F.linear  # big steps; prepack_model may swap in a packed weight
 

@@ -147,6 +147,18 @@ def test_int4_quantization_round_trips_q4_1_values() -> None:
     torch.testing.assert_close(dequantize_int4_weight(*quantize_int4_weight(w)), w, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576), (3, 1536)])
+def test_int4_quantizer_is_the_reference_bitwise(dtype: torch.dtype, n: int, k: int) -> None:
+    from rivulet.kernels.quant import quantize_int4_weight
+
+    w = (randn(n, k, dtype=torch.float32, seed=6) * 0.05).to(dtype)
+    w[0, :32] = 0.25  # a constant block: d = 0, every q = 0
+    w[1, 32:64] = torch.linspace(-1, 1, 32)  # values on the rounding boundaries of (w - m) / d
+    for got, want in zip(ext.quantize_int4(w), quantize_int4_weight(w)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 4, 6])
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])

@@ -49,7 +49,7 @@ def test_register_op():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_every_op_has_a_triton_version():
     # the VNNI weight-only path (GPUs use fp8) and oneDNN-packed weights (GPU matmuls read the plain weight)
-    cpu_only = {"int8_linear", "int4_linear", "pack_linear_weight", "packed_linear"}
+    cpu_only = {"int8_linear", "int4_linear", "quantize_int4_weight", "pack_linear_weight", "packed_linear"}
     for name in op_names():
         if name.startswith("test_only") or name in cpu_only:
             continue
@@ -67,7 +67,7 @@ def test_every_cpu_kernel_is_registered():
     from rivulet.kernels.cpu import ops as cpu_ops
 
     for name in ("rms_norm", "fused_add_rms_norm", "apply_rotary", "write_kv_cache", "int8_linear",
-                 "int4_linear"):
+                 "int4_linear", "quantize_int4_weight"):
         assert get_op(name, "cpu") is getattr(cpu_ops, name), name
 
 

@@ -54,7 +54,7 @@ def test_bf16_linears_are_prepacked_once(tiny_model_dir):
     """bf16 on CPU: every dense linear reads oneDNN's packed copy, which replaces the plain weight
     except where another module shares it (the tied LM head's embedding); logits are unchanged."""
     from rivulet.kernels.cpu import ops as cpu_ops
-    import rivulet.models.loader as loader
+    import rivulet.models.loader.build as loader
 
     if not cpu_ops.PACKED_BF16:
         pytest.skip("this PyTorch build has no oneDNN bf16 matmul")

@@ -11,7 +11,7 @@ from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from rivulet.kernels.quant import int4_linear_ref, int8_linear_ref
+from rivulet.kernels.quant import int4_linear_ref, int8_linear_ref, quantize_int4_weight as quantize_int4_weight_ref
 from rivulet.kernels.rotary import apply_rotary_ref
 
 _ext = load_cpu_ext()
@@ -51,6 +51,11 @@ def int8_linear(
     return _ext.int8_linear(x.reshape(-1, k), weight, scale, bias).reshape(*x.shape[:-1], -1)
 
 
+def quantize_int4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    packed, d, m = _ext.quantize_int4(weight.detach())
+    return packed, d, m
+
+
 def int4_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -81,3 +86,4 @@ if not AVAILABLE:  # same names, reference arithmetic
     rms_norm, fused_add_rms_norm = rms_norm_ref, fused_add_rms_norm_ref  # noqa: F811
     apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
     int4_linear, silu_and_mul = int4_linear_ref, silu_and_mul_ref  # noqa: F811
+    quantize_int4_weight = quantize_int4_weight_ref  # noqa: F811

@@ -269,6 +269,60 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   return dispatch(x, fmt, N, Kp, bias);
 }
 
+// quantize_int4_weight (rivulet/kernels/quant.py) in one pass over the weight, with the same float32
+// operations in the same order (so the same bits): per block of 32 (K zero-padded to a multiple of
+// 64) m = min, d = (max - min) / 15, q = round-half-even((w - m) / d) clamped to 0..15 (0 where
+// d == 0); byte j of each 64-chunk holds q[j] | q[j + 32] << 4. Returns (packed, d, m).
+template <typename T>
+void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t Kp, uint8_t* packed, float* d, float* m) {
+  const int64_t nb = Kp / 32;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float blk[32];
+    uint8_t q[64];
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* row = w + n * K;
+      for (int64_t c = 0; c < Kp / 64; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t b = 2 * c + h, k0 = b * 32;
+          float lo = INFINITY, hi = -INFINITY;
+          for (int j = 0; j < 32; ++j) {
+            blk[j] = k0 + j < K ? to_float(row[k0 + j]) : 0.f;
+            lo = std::min(lo, blk[j]);
+            hi = std::max(hi, blk[j]);
+          }
+          const float dd = (hi - lo) / 15.f;
+          d[n * nb + b] = dd;
+          m[n * nb + b] = lo;
+          for (int j = 0; j < 32; ++j) {
+            const float v = dd > 0.f ? std::nearbyint((blk[j] - lo) / dd) : 0.f;
+            q[h * 32 + j] = static_cast<uint8_t>(std::min(std::max(v, 0.f), 15.f));
+          }
+        }
+        uint8_t* out = packed + n * (Kp / 2) + c * 32;
+        for (int j = 0; j < 32; ++j) out[j] = static_cast<uint8_t>(q[j] | (q[32 + j] << 4));
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> quantize_int4(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "quantize_int4: weight [N, K]");
+  auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kp = (K + kChunk - 1) / kChunk * kChunk;
+  auto packed = torch::empty({N, Kp / 2}, w.options().dtype(torch::kUInt8));
+  auto d = torch::empty({N, Kp / 32}, w.options().dtype(torch::kFloat32));
+  auto m = torch::empty_like(d);
+  if (w.scalar_type() == torch::kBFloat16) {
+    quantize_int4_rows(w.data_ptr<at::BFloat16>(), N, K, Kp, packed.data_ptr<uint8_t>(), d.data_ptr<float>(),
+                       m.data_ptr<float>());
+  } else {
+    auto wf = w.to(torch::kFloat32);
+    quantize_int4_rows(wf.data_ptr<float>(), N, K, Kp, packed.data_ptr<uint8_t>(), d.data_ptr<float>(),
+                       m.data_ptr<float>());
+  }
+  return {packed, d, m};
+}
+
 bool has_vnni() {
 #ifdef RIVULET_VNNI
   return true;
@@ -285,5 +339,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w_scale"), py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear, "weight-only 4-bit (Q4_1-style) linear (VNNI)", py::arg("x"), py::arg("w"),
         py::arg("scale"), py::arg("minv"), py::arg("bias") = py::none());
+  m.def("quantize_int4", &quantize_int4, "quantize_int4_weight in one pass (same bits)", py::arg("weight"));
   m.def("has_vnni", &has_vnni);
 }
