@@ -48,8 +48,18 @@ def load_cpu_ext() -> ModuleType | None:
     build.mkdir(parents=True, exist_ok=True)
     with _LOCK:
         try:
+            # build from copies inside the build folder: the ninja file then names the same paths for
+            # every checkout of the same sources, which would otherwise each force a rebuild (~60 s)
+            local = []
+            for src in sources:
+                dst = build / Path(src).name
+                if not dst.exists() or dst.read_bytes() != Path(src).read_bytes():
+                    tmp = dst.with_suffix(f".{os.getpid()}.tmp")  # ranks start together: replace atomically
+                    shutil.copyfile(src, tmp)
+                    os.replace(tmp, dst)
+                local.append(str(dst))
             return cpp_extension.load(
-                name="rivulet_cpu_ext", sources=sources, build_directory=str(build),
+                name="rivulet_cpu_ext", sources=local, build_directory=str(build),
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
             )
