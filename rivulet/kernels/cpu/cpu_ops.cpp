@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -76,11 +77,52 @@ void dispatch(const torch::Tensor& t, const char* name, F&& f) {
 // out = weight * round_T(x * rsqrt(mean(x^2) + eps)); x already in float.
 template <typename T>
 inline void norm_row(const float* x, const T* w, T* out, int64_t H, float eps) {
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(H - i), x + i);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / H + eps);
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 m = tail_mask(H - i);
+    const __m512 n = round_to(T{}, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv));
+    store16(out + i, round_to(T{}, _mm512_mul_ps(load16(w + i, m), n)), m);
+  }
+#else
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / H + eps);
   for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(x[i] * r)));
+#endif
+}
+
+// buf = float(x), or with a residual: res = round_T(x + residual) and buf = float(res).
+template <typename T>
+inline void load_row(const T* x, const T* residual, T* res, float* buf, int64_t H) {
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 m = tail_mask(H - i);
+    __m512 v = load16(x + i, m);
+    if (residual != nullptr) {
+      v = round_to(T{}, _mm512_add_ps(v, load16(residual + i, m)));  // the reference adds in T
+      store16(res + i, v, m);
+    }
+    _mm512_mask_storeu_ps(buf + i, m, v);
+  }
+#else
+  for (int64_t i = 0; i < H; ++i) {
+    if (residual != nullptr) {
+      const T s = static_cast<T>(f32(x[i]) + f32(residual[i]));  // the reference adds in T
+      res[i] = s;
+      buf[i] = f32(s);
+    } else {
+      buf[i] = f32(x[i]);
+    }
+  }
+#endif
 }
 
 }  // namespace
@@ -96,7 +138,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(H);
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t i = 0; i < H; ++i) buf[i] = f32(xp[r * H + i]);
+        load_row<T>(xp + r * H, nullptr, nullptr, buf.data(), H);
         norm_row<T>(buf.data(), wp, op + r * H, H, float(eps));
       }
     });
@@ -117,11 +159,7 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor res
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(H);
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t i = 0; i < H; ++i) {
-          const T s = static_cast<T>(f32(xp[r * H + i]) + f32(rp[r * H + i]));  // the reference adds in T
-          sp[r * H + i] = s;
-          buf[i] = f32(s);
-        }
+        load_row<T>(xp + r * H, rp + r * H, sp + r * H, buf.data(), H);
         norm_row<T>(buf.data(), wp, op + r * H, H, float(eps));
       }
     });
@@ -197,15 +235,24 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
     using TT = decltype(tag);
     TT* c = kv_cache.data_ptr<TT>();
     const int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      if (sp[t] < 0) continue;
-      for (int64_t h = 0; h < Hk; ++h) {
-        const TT* ks = key.data_ptr<TT>() + t * key.stride(0) + h * key.stride(1);
-        const TT* vs = value.data_ptr<TT>() + t * value.stride(0) + h * value.stride(1);
-        TT* kd = c + sp[t] * row + h * D; TT* vd = c + plane + sp[t] * row + h * D;
-        for (int64_t i = 0; i < D; ++i) { kd[i] = ks[i]; vd[i] = vs[i]; }
+    const TT* kp = key.data_ptr<TT>(); const TT* vp = value.data_ptr<TT>();
+    const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
+    const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        if (sp[t] < 0) continue;
+        for (int64_t h = 0; h < Hk; ++h) {
+          const TT* ks = kp + t * ks0 + h * ks1; const TT* vs = vp + t * vs0 + h * vs1;
+          TT* kd = c + sp[t] * row + h * D; TT* vd = c + plane + sp[t] * row + h * D;
+          if (ks2 == 1 && vs2 == 1) {
+            std::memcpy(kd, ks, D * sizeof(TT));
+            std::memcpy(vd, vs, D * sizeof(TT));
+          } else {
+            for (int64_t i = 0; i < D; ++i) { kd[i] = ks[i * ks2]; vd[i] = vs[i * vs2]; }
+          }
+        }
       }
-    }
+    });
   });
 }
 
