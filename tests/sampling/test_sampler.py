@@ -167,15 +167,15 @@ def test_unseeded_rows_use_default_generator() -> None:
     assert len(draws) > 1
 
 
-def test_exponential_race_matches_distribution() -> None:
-    probs = torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]]).expand(40_000, -1)
+def test_random_sample_matches_distribution() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.25, 0.15, 0.1, 0.0]]).expand(40_000, -1)  # zeros at both ends
     tokens = random_sample(probs, {})
-    freq = torch.bincount(tokens, minlength=5).float() / tokens.numel()
-    assert freq[4].item() == 0.0
-    assert torch.allclose(freq[:4], probs[0, :4], atol=0.01), freq
+    freq = torch.bincount(tokens, minlength=6).float() / tokens.numel()
+    assert freq[0].item() == 0.0 and freq[5].item() == 0.0
+    assert torch.allclose(freq[1:5], probs[0, 1:5], atol=0.01), freq
 
 
-def test_exponential_race_never_picks_zero_probability() -> None:
+def test_random_sample_never_picks_zero_probability() -> None:
     probs = torch.zeros(2000, 6)
     probs[:, 3] = 1e-30  # tiny but non-zero: the only possible token
     assert set(random_sample(probs, {}).tolist()) == {3}
