@@ -1,7 +1,7 @@
 """AsyncLLM: the online engine. Requests come in as async calls, each gets an async stream of
 outputs; the EngineCore runs in its own process, reached through ZeroMQ.
 
-    engine = await AsyncLLM.start(config)
+    engine = await AsyncLLM.start(config)   # or AsyncLLM.spawn(config), other work, await engine.ready()
     async for out in engine.generate(prompt, params, request_id):  # cumulative RequestOutput snapshots
         ...
 
@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import zmq
@@ -45,8 +47,16 @@ class AsyncLLM:
     @classmethod
     async def start(cls, config: EngineConfig, startup_timeout: float = 600.0) -> AsyncLLM:
         """Spawn the engine process and wait until its model is loaded (RivuletError if that fails)."""
+        return await cls.spawn(config).ready(startup_timeout)
+
+    @classmethod
+    def spawn(cls, config: EngineConfig) -> AsyncLLM:
+        """Start the engine process, and the tokenizer's load in a thread, without waiting for
+        either: the caller builds what it needs (the web app) while the model loads, then
+        awaits `ready()`. Call `shutdown()` if it gives up before that."""
         self = cls()
-        source = resolve_model(config.model.model)
+        self.spawned_at = time.monotonic()
+        self._source = resolve_model(config.model.model)
         self._dir = tempfile.mkdtemp(prefix="rivulet-")
         self._ctx = zmq.asyncio.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -57,14 +67,20 @@ class AsyncLLM:
                                        f"ipc://{self._dir}/out"], stdin=subprocess.PIPE, text=True)
         self._proc.stdin.write(config.to_json())  # type: ignore[union-attr]
         self._proc.stdin.close()  # type: ignore[union-attr]
-        tokenizer_task = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, source, config.model.tokenizer)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-tokenizer")
+        self._tokenizer_future = pool.submit(load_tokenizer, self._source, config.model.tokenizer)
+        pool.shutdown(wait=False)
+        return self
+
+    async def ready(self, startup_timeout: float = 600.0) -> AsyncLLM:
+        """Wait for the engine's model and the tokenizer; on failure stop the engine and raise."""
         try:
             info = await self._wait_ready(startup_timeout)
-            self.tokenizer = await tokenizer_task
+            self.tokenizer = await asyncio.wrap_future(self._tokenizer_future)
         except BaseException:
             await self.shutdown()
             raise
-        info.eos_token_ids |= eos_token_ids(source, [], self.tokenizer)
+        info.eos_token_ids |= eos_token_ids(self._source, [], self.tokenizer)
         self.model_info: ModelInfo = info
         self.processor = RequestProcessor(self.tokenizer, info)
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_process())]

@@ -151,7 +151,7 @@ def cmd_chat(a: argparse.Namespace) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from rivulet.entrypoints.openai.api_server import run_server
+    from rivulet.entrypoints.openai.launch import run_server
 
     if a.model_tag is not None:
         a.model = a.model_tag

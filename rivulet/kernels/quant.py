@@ -111,3 +111,22 @@ def int4_linear_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# GGUF's 32-weight blocks: kind -> bytes per block (fp16 scale(s), then the quants)
+GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def dequantize_gguf_blocks_ref(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """GGUF blocks (uint8 [n, bytes per block]) as n * 32 weights: Q8_0 ``q * d``, Q4_0
+    ``d * (nibble - 8)``, Q4_1 ``d * nibble + m``, in float32 (the `gguf` package's values, bitwise),
+    then rounded to `dtype`. Weights 0-15 of a 4-bit block are the low nibbles, 16-31 the high ones."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if kind == "q8_0":
+        return (blocks[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1).to(dtype)
+    qs = blocks[:, 4:] if kind == "q4_1" else blocks[:, 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    if kind == "q4_0":
+        return (d * (q.to(torch.int8) - 8).float()).reshape(-1).to(dtype)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * q.float() + m).reshape(-1).to(dtype)

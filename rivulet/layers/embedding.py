@@ -17,6 +17,8 @@ class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows [start, end) of the (padded) vocabulary; lookups outside the range
     give zeros and the all-reduce assembles the full embedding."""
 
+    gathered_params: tuple[str, ...] = ("weight",)  # read by rows only (Platform.place_module)
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.parallel = get_parallel_state()
@@ -52,6 +54,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading (compact or packed weight)
+
+    @property
+    def gathered_params(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The plain weight is read whole by `compute_logits` unless a compact or packed copy is."""
+        return () if self.quant is None else ("weight",)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

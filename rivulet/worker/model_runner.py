@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -44,8 +45,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype)
         self.cache_config = cache_config
         torch.manual_seed(model_config.seed)
+        start = time.perf_counter()
         self.model, self.arch = load_model(model_config, source, self.dtype, self.device)
+        loaded = time.perf_counter()
         self.platform.place_module(self.model)
+        logger.info("model loaded in %.2f s (+%.2f s placing it in memory)", loaded - start,
+                    time.perf_counter() - loaded)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()

@@ -12,6 +12,9 @@ from helpers.gguf_writer import permute_qk, write_gguf
 from helpers.runner import make_runner, teacher_forced_logits
 from rivulet.config import RivuletError
 from rivulet.models.loader import resolve_model
+from rivulet.kernels.cpu import ops as cpu_ops
+from rivulet.kernels.ops import get_op
+from rivulet.models.loader import gguf as gguf_loader
 from rivulet.models.loader.gguf import GGUFCheckpoint, dequantize_tensor, unpermute_qk
 from rivulet.models.loader.gguf_file import GGUFFile
 
@@ -48,9 +51,14 @@ def test_quantized_tensors_decode_exactly(qtype, tmp_path, tiny_model_dir):
     assert 0 < err < 0.1 * w.abs().max().item()  # really quantized, and still the same weight
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("qtype,block_bytes,scales", [(QT.Q8_0, 34, 1), (QT.Q4_0, 18, 1), (QT.Q4_1, 20, 2)])
-def test_fast_dequantization_is_the_gguf_packages_bitwise(qtype, block_bytes, scales):
-    """Random blocks (every nibble and int8 value) with fp16 scales of every kind: normal, subnormal, zero, negative."""
+def test_fast_dequantization_is_the_gguf_packages_bitwise(qtype, block_bytes, scales, backend, monkeypatch):
+    """Random blocks (every nibble and int8 value) with fp16 scales of every kind: normal, subnormal, zero,
+    negative; read from a read-only buffer (as from the memory map), in float32 and rounded to bfloat16."""
+    if backend == "cpu" and not cpu_ops.AVAILABLE:
+        pytest.skip("the CPU extension could not be built here (no compiler)")
+    monkeypatch.setattr(gguf_loader, "get_op", lambda name: get_op(name, backend))
     rng = np.random.default_rng(int(qtype))
     n = 64 * 96 // 32
     raw = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
@@ -58,8 +66,12 @@ def test_fast_dequantization_is_the_gguf_packages_bitwise(qtype, block_bytes, sc
     sc[:4] = np.array([0.0, -0.0, 6e-8, -65504.0], dtype=np.float16)[:, None]
     raw[:, :2 * scales] = sc.view(np.uint8).reshape(n, 2 * scales)
     data = raw.reshape(64, -1)
+    data.flags.writeable = False
     want = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(-1)
     np.testing.assert_array_equal(dequantize_tensor(data, qtype).numpy(), want)
+    got = dequantize_tensor(data, qtype, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.from_numpy(want).to(torch.bfloat16))
 
 
 def test_config_translation(tmp_path, tiny_model_dir):

@@ -34,3 +34,33 @@ def test_place_module_keeps_values_and_tied_weights() -> None:
     assert torch.equal(m[1].weight, before["0.weight"] + 1)
     ptrs = sorted(t.data_ptr() for t in [m[0].weight, m[1].bias, m.table])
     assert ptrs[-1] - ptrs[0] < 1 << 20  # one arena
+
+
+def _in_arena(t: torch.Tensor, arena_ptr: int) -> bool:
+    return abs(t.data_ptr() - arena_ptr) < 1 << 20
+
+
+def test_place_module_leaves_a_looked_up_table_unless_a_tied_head_reads_it_whole() -> None:
+    """The embedding table only serves row lookups: it stays put, while the norms (read whole) move.
+    Tied to an LM head that multiplies by it (no compact or packed copy), it moves too."""
+    from rivulet.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from rivulet.layers.quantization import Prepacked
+
+    def model(tied_head_quant: object) -> nn.Module:
+        m = nn.Module()
+        m.embed, m.head, m.norm = VocabParallelEmbedding(10, 6), ParallelLMHead(10, 6), nn.LayerNorm(6)
+        m.head.tie(m.embed)
+        m.head.quant = tied_head_quant
+        return m
+
+    packed = model(Prepacked(torch.zeros(10, 6)))
+    table = packed.embed.weight.data_ptr()
+    CpuPlatform().place_module(packed)
+    assert packed.embed.weight.data_ptr() == table  # not copied
+    assert not _in_arena(packed.embed.weight, packed.norm.weight.data_ptr())
+
+    plain = model(None)
+    table = plain.embed.weight.data_ptr()
+    CpuPlatform().place_module(plain)
+    assert plain.embed.weight.data_ptr() != table and plain.head.weight is plain.embed.weight
+    assert _in_arena(plain.embed.weight, plain.norm.weight.data_ptr())

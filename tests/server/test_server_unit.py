@@ -18,9 +18,9 @@ import uvicorn
 
 from fake_engine import FakeEngine
 from rivulet.engine.outputs import CompletionOutput, RequestOutput
-from rivulet.entrypoints.openai.api_server import DrainingServer, bind_socket, build_app
+from rivulet.entrypoints.openai.api_server import DrainingServer, build_app
 from rivulet.entrypoints.openai.metrics import ServerMetrics
-from rivulet.entrypoints.openai.serving_base import ServerSettings
+from rivulet.entrypoints.openai.launch import ServerSettings, bind_socket
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server: the FastAPI app, its gate (API key, draining, in-flight count), and
-``run_server`` (bind, start the engine process, serve, drain on SIGTERM, stop the engine).
+``serve`` (wait for the engine `launch.run_server` spawned, serve, drain on SIGTERM).
 
 Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
 ``/detokenize``, ``/health``, ``/version``, ``/metrics``. With ``--api-key`` every endpoint but
@@ -23,6 +23,7 @@ import logging
 import socket
 import time
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -31,17 +32,20 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import rivulet
-from rivulet.config import EngineConfig, RivuletError
-from rivulet.engine.args import EngineArgs
+from rivulet.config import RivuletError
 from rivulet.entrypoints.openai.engine_client import EngineClient
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
 from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
                                                  ModelList, TokenizeRequest, TokenizeResponse)
-from rivulet.entrypoints.openai.serving_base import ServerContext, ServerSettings
+from rivulet.entrypoints.openai.launch import ServerSettings
+from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler
 from rivulet.entrypoints.openai.serving_tokenization import TokenizationHandler
+
+if TYPE_CHECKING:
+    from rivulet.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger("rivulet.server")
 
@@ -191,62 +195,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the command line asks for."""
-    return EngineArgs.from_cli_args(a).create_engine_config()
-
-
-def settings_from_args(a: argparse.Namespace) -> ServerSettings:
-    """The ServerSettings the command line asks for."""
-    if a.max_queue is not None and a.max_queue < 0:
-        raise RivuletError("--max-queue must be >= 0")
-    if a.drain_timeout < 0:
-        raise RivuletError("--drain-timeout must be >= 0")
-    return ServerSettings(served_model_names=a.served_model_name or [a.model], model_root=a.model,
-                          api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
-                          drain_timeout=a.drain_timeout)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (uvicorn listens on it); done before loading the model so a busy port fails fast."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as e:
-        raise RivuletError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(False)
-    return sock
-
-
-def run_server(a: argparse.Namespace) -> int:
-    """``rivulet serve``: returns the exit code (0 after a signal-triggered shutdown)."""
-    settings = settings_from_args(a)
-    config = engine_config_from_args(a)
-    sock = bind_socket(a.host, a.port)
-    try:
-        return asyncio.run(_serve(config, settings, sock, a))
-    finally:
-        sock.close()
-
-
-async def _serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
-    from rivulet.engine.async_llm import AsyncLLM  # imports torch: only once the command line is valid
-
-    logger.info("starting the engine for %s", config.model.model)
-    engine = await AsyncLLM.start(config)
-    try:
-        app = build_app(engine, settings)
-        uv_config = uvicorn.Config(app, log_level=a.uvicorn_log_level, access_log=not a.disable_uvicorn_access_log,
-                                   timeout_graceful_shutdown=2, timeout_keep_alive=5)
-        server = DrainingServer(uv_config, app.state.ctx, asyncio.get_running_loop())
-        host, port = sock.getsockname()[:2]
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(settings.served_model_names),
-                    host, port)
-        await server.serve(sockets=[sock])
-    finally:
-        await engine.shutdown()
+async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
+    """Build the app for a spawned engine, wait for the engine, serve on `sock` until a signal has
+    drained the requests (`launch.run_server` spawns the engine and shuts it down afterwards)."""
+    app = build_app(engine, settings)
+    uv_config = uvicorn.Config(app, log_level=a.uvicorn_log_level, access_log=not a.disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=2, timeout_keep_alive=5)
+    await engine.ready()
+    server = DrainingServer(uv_config, app.state.ctx, asyncio.get_running_loop())
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %s on http://%s:%d (OpenAI API under /v1); the engine started in %.1f s",
+                ", ".join(settings.served_model_names), host, port, time.monotonic() - engine.spawned_at)
+    await server.serve(sockets=[sock])
     logger.info("stopped")
     return 0
-

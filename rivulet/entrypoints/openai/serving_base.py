@@ -27,29 +27,12 @@ from rivulet.config import RivuletError
 from rivulet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rivulet.entrypoints.openai.engine_client import EngineClient, EngineDeadError
 from rivulet.entrypoints.openai.errors import OpenAIError, dumps, engine_dead_error, error_body
+from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
 T = TypeVar("T")
-
-
-@dataclass
-class ServerSettings:
-    """How the server behaves, from the command line."""
-
-    served_model_names: list[str]
-    model_root: str | None = None
-    api_key: str | None = None
-    max_queue: int | None = None  # None: no limit
-    max_num_seqs: int = 128  # the engine's running capacity, part of the admission limit
-    drain_timeout: float = 30.0
-    retry_after_s: int = 1
-
-    @property
-    def admission_limit(self) -> int | None:
-        """Most unfinished requests at once: running capacity plus ``max_queue`` waiting; None: no limit."""
-        return None if self.max_queue is None else self.max_num_seqs + self.max_queue
 
 
 class ServerContext:

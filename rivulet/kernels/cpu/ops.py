@@ -11,7 +11,8 @@ from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from rivulet.kernels.quant import int4_linear_ref, int8_linear_ref, quantize_int4_weight as quantize_int4_weight_ref
+from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
+                                   quantize_int4_weight as quantize_int4_weight_ref)
 from rivulet.kernels.rotary import apply_rotary_ref
 
 _ext = load_cpu_ext()
@@ -63,6 +64,15 @@ def int4_linear(
     return _ext.int4_linear(x.reshape(-1, k), weight, scale, minv, bias).reshape(*x.shape[:-1], -1)
 
 
+_GGUF_KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+
+
+def dequantize_gguf_blocks(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if dtype not in (torch.float32, torch.bfloat16):
+        return _ext.dequantize_gguf_blocks(blocks.contiguous(), _GGUF_KINDS[kind], torch.float32).to(dtype)
+    return _ext.dequantize_gguf_blocks(blocks.contiguous(), _GGUF_KINDS[kind], dtype)
+
+
 # oneDNN (AMX or AVX512-BF16) matmuls on a weight already in its blocked layout: F.linear on a
 # plain [N, K] weight repacks it at every call, which costs a decode step ~1.2x and a 64-row step
 # ~1.4x of the matmul time here (docs/cpu.md). Results are bitwise those of F.linear at decode sizes.
@@ -86,4 +96,4 @@ if not AVAILABLE:  # same names, reference arithmetic
     rms_norm, fused_add_rms_norm = rms_norm_ref, fused_add_rms_norm_ref  # noqa: F811
     apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
     int4_linear, silu_and_mul = int4_linear_ref, silu_and_mul_ref  # noqa: F811
-    quantize_int4_weight = quantize_int4_weight_ref  # noqa: F811
+    quantize_int4_weight, dequantize_gguf_blocks = quantize_int4_weight_ref, dequantize_gguf_blocks_ref  # noqa: F811

@@ -10,6 +10,7 @@ permuted back here so every model uses the Hugging Face (neox) rotary layout.
 from __future__ import annotations
 
 import re
+import warnings
 from functools import cached_property
 from typing import Any, Iterator
 
@@ -19,6 +20,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from rivulet.config import RivuletError
+from rivulet.kernels.ops import get_op
+from rivulet.kernels.quant import GGUF_BLOCK_BYTES
 from rivulet.models.loader.gguf_file import GGUFFile
 from rivulet.models.loader.source import ModelSource
 
@@ -130,7 +133,7 @@ class GGUFCheckpoint:
         cfg = self.hf_config
         for t in self.reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))  # gguf lists dimensions fastest-first
-            w = dequantize_tensor(t.data, t.tensor_type).view(shape)
+            w = dequantize_tensor(t.data, t.tensor_type, dtype).view(shape)
             name = _NAMES.get(t.name)
             if name is None:
                 m = _BLOCK.match(t.name)
@@ -151,24 +154,21 @@ class GGUFCheckpoint:
             yield name, w.to(dtype)
 
 
-_FAST_BLOCKS = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}  # bytes per block of 32 weights
+_BLOCK_KINDS = {QT.Q8_0: "q8_0", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1"}  # kernels.quant's GGUF block kinds
 
 
-def dequantize_tensor(data: np.ndarray, ttype: QT) -> torch.Tensor:
-    """A GGUF tensor's values as a flat float32 tensor (the `gguf` package's dequantization, bitwise)."""
-    if ttype in (QT.F32, QT.F16, QT.BF16) or ttype not in _FAST_BLOCKS:
+def dequantize_tensor(data: np.ndarray, ttype: QT, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A GGUF tensor's values as a flat tensor: the `gguf` package's float32 dequantization, bitwise,
+    rounded to `dtype`. The common block types go through the `dequantize_gguf_blocks` op, straight
+    from the memory map (the C++ one on CPU: ~20x the torch reference's speed)."""
+    kind = _BLOCK_KINDS.get(ttype)
+    if kind is None:
         arr = np.asarray(dequantize(data, ttype), dtype=np.float32).reshape(-1)
-        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-    blocks = torch.from_numpy(np.array(data, copy=True).reshape(-1, _FAST_BLOCKS[ttype]))  # the map is read-only
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
-    if ttype == QT.Q8_0:
-        return (blocks[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
-    qs = blocks[:, 4:] if ttype == QT.Q4_1 else blocks[:, 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # elements 0-15: low nibbles, 16-31: high ones
-    if ttype == QT.Q4_0:
-        return (d * (q.to(torch.int8) - 8).float()).reshape(-1)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return (d * q.float() + m).reshape(-1)
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy()).to(dtype)
+    with warnings.catch_warnings():  # the map is read-only, and the op only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(-1, GGUF_BLOCK_BYTES[kind]))
+    return get_op("dequantize_gguf_blocks")(blocks, kind, dtype)
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

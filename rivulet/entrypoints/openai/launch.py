@@ -1,0 +1,96 @@
+"""``rivulet serve`` up to the web app: check the flags, bind the port, start the engine process,
+and only then import the web framework and build the app (`api_server`), so that the engine's
+model load (the longer part of a start) runs while this process imports FastAPI and loads the
+tokenizer, on the other core:
+
+    front end:  flags, bind | spawn | import fastapi, build app ... | wait ready | serve
+    engine:                 | python, torch, model, KV cache ......| ready
+    tokenizer thread:       | transformers, tokenizer files ....   |
+
+This module imports neither FastAPI nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+from rivulet.config import EngineConfig, RivuletError
+from rivulet.engine.args import EngineArgs
+
+logger = logging.getLogger("rivulet.server")
+
+
+@dataclass
+class ServerSettings:
+    """How the server behaves, from the command line."""
+
+    served_model_names: list[str]
+    model_root: str | None = None
+    api_key: str | None = None
+    max_queue: int | None = None  # None: no limit
+    max_num_seqs: int = 128  # the engine's running capacity, part of the admission limit
+    drain_timeout: float = 30.0
+    retry_after_s: int = 1
+
+    @property
+    def admission_limit(self) -> int | None:
+        """Most unfinished requests at once: running capacity plus ``max_queue`` waiting; None: no limit."""
+        return None if self.max_queue is None else self.max_num_seqs + self.max_queue
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the command line asks for."""
+    return EngineArgs.from_cli_args(a).create_engine_config()
+
+
+def settings_from_args(a: argparse.Namespace) -> ServerSettings:
+    """The ServerSettings the command line asks for."""
+    if a.max_queue is not None and a.max_queue < 0:
+        raise RivuletError("--max-queue must be >= 0")
+    if a.drain_timeout < 0:
+        raise RivuletError("--drain-timeout must be >= 0")
+    return ServerSettings(served_model_names=a.served_model_name or [a.model], model_root=a.model,
+                          api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
+                          drain_timeout=a.drain_timeout)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (uvicorn listens on it); done before loading the model so a busy port fails fast."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise RivuletError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def run_server(a: argparse.Namespace) -> int:
+    """``rivulet serve``: returns the exit code (0 after a signal-triggered shutdown)."""
+    settings = settings_from_args(a)
+    config = engine_config_from_args(a)
+    sock = bind_socket(a.host, a.port)
+    try:
+        return asyncio.run(_start_and_serve(config, settings, sock, a))
+    finally:
+        sock.close()
+
+
+async def _start_and_serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket,
+                           a: argparse.Namespace) -> int:
+    from rivulet.engine.async_llm import AsyncLLM
+
+    logger.info("starting the engine for %s", config.model.model)
+    engine = AsyncLLM.spawn(config)
+    try:
+        from rivulet.entrypoints.openai.api_server import serve  # FastAPI: imported while the model loads
+
+        return await serve(engine, settings, sock, a)
+    finally:
+        await engine.shutdown()
