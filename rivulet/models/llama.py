@@ -41,7 +41,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(d, int(d * cfg.partial_rotary_factor), cfg.max_position_embeddings,
-                                          cfg.rope_theta, cfg.rope_interleaved, cfg.rope_scaling)
+        self.rotary_emb = rotary_emb  # one module (and cos/sin table) shared by every layer
         self.attn = Attention(self.qkv_proj.num_heads, d, d**-0.5, self.qkv_proj.num_kv_heads, cfg.sliding_window)
         self.head_dim = d
 
@@ -69,10 +68,10 @@ class LlamaDecoderLayer(nn.Module):
     """With sequence parallelism, `x` and `residual` are this rank's token shard; the norms run on it
     and the shard is all-gathered before attention and the MLP (whose last linear reduce-scatters)."""
 
-    def __init__(self, cfg: ArchConfig, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ArchConfig, mlp: nn.Module, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.parallel = get_parallel_state()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, rotary_emb)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -116,8 +115,11 @@ class LlamaModel(nn.Module):
         self.start_layer, self.end_layer = stage_layers(n, ps.pp_rank, ps.pp_size)
         self.hidden_size, self.dtype = cfg.hidden_size, torch.get_default_dtype()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if ps.is_first_stage else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_mlp(i)) if self.start_layer <= i < self.end_layer
-                                    else PPMissingLayer() for i in range(n))
+        d = cfg.head_dim
+        rotary = RotaryEmbedding(d, int(d * cfg.partial_rotary_factor), cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_interleaved, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_mlp(i), rotary)
+                                    if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
         self.stage_busy_s = 0.0  # pipeline: this stage's compute time, waiting for the previous stage excluded
 
