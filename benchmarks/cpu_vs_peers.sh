@@ -12,6 +12,7 @@
 #   bash benchmarks/peers/setup_vllm.sh                 # once: vLLM in ~/.cache/rivulet-peers/vllm
 #   bash benchmarks/cpu_vs_peers.sh                     # SYSTEMS="rivulet rivulet-int4 vllm llamacpp" by default
 #   SYSTEMS="rivulet vllm" ROWS="1 3" bash benchmarks/cpu_vs_peers.sh
+#   ROWS= bash benchmarks/cpu_vs_peers.sh               # start to healthy only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cpu_vs_peers}
@@ -19,7 +20,7 @@ PEERS_DIR=${PEERS_DIR:-$HOME/.cache/rivulet-peers}
 VLLM=${VLLM:-$PEERS_DIR/vllm}
 LLAMA_SERVER=${LLAMA_SERVER:-$PEERS_DIR/llama.cpp/build/bin/llama-server}
 SYSTEMS=${SYSTEMS:-"rivulet rivulet-int4 vllm llamacpp"}
-ROWS=${ROWS:-"1 2 3 4"}
+ROWS=${ROWS-"1 2 3 4"}  # ROWS= (empty): starts only
 PORT=${PORT:-8020}
 POINT_S=${POINT_S:-300}
 HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
