@@ -48,8 +48,10 @@ def test_register_op():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_every_op_has_a_triton_version():
-    # the VNNI weight-only path (GPUs use fp8) and oneDNN-packed weights (GPU matmuls read the plain weight)
-    cpu_only = {"int8_linear", "int4_linear", "quantize_int4_weight", "pack_linear_weight", "packed_linear"}
+    # the VNNI weight-only path (GPUs use fp8), oneDNN-packed weights (GPU matmuls read the plain weight), and
+    # GGUF dequantization (the loader's, on the host, before the weights reach a device)
+    cpu_only = {"int8_linear", "int4_linear", "quantize_int4_weight", "pack_linear_weight", "packed_linear",
+                "dequantize_gguf_blocks"}
     for name in op_names():
         if name.startswith("test_only") or name in cpu_only:
             continue
@@ -67,7 +69,7 @@ def test_every_cpu_kernel_is_registered():
     from rivulet.kernels.cpu import ops as cpu_ops
 
     for name in ("rms_norm", "fused_add_rms_norm", "apply_rotary", "write_kv_cache", "int8_linear",
-                 "int4_linear", "quantize_int4_weight"):
+                 "int4_linear", "quantize_int4_weight", "dequantize_gguf_blocks"):
         assert get_op(name, "cpu") is getattr(cpu_ops, name), name
 
 
