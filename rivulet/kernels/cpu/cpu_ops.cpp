@@ -311,8 +311,26 @@ inline void softmax_row(float* sc, int64_t n) {
   }
 }
 
+// The rows of the next page of a sequence, one per row computed of the current one: the pages of a
+// sequence lie anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot
+// run ahead across them. Spread out (not a burst of 2 x 16 lines at a page's start, which fills the
+// core's line-fill buffers), each request has one page of compute (~150 ns) to arrive.
+template <typename TT, int NV>
+inline void prefetch_row(const TT* next_page, int64_t row, int64_t tok_stride) {
+  if (next_page == nullptr) return;
+  const char* p = reinterpret_cast<const char*>(next_page + row * tok_stride);
+  for (int64_t b = 0; b < int64_t(NV * 16 * sizeof(TT)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+template <typename TT>
+inline const TT* page_after(const TT* base, const int* table, int64_t t, int64_t L, int64_t bs, int64_t page_stride) {
+  const int64_t p = t / bs + 1;
+  return p * bs < L ? base + int64_t(table[p]) * page_stride : nullptr;
+}
+
 // One (sequence, kv head): the G query heads of the group [G, NV*16] (float) over context tokens
-// [start, L), read page by page in place. Each key and value row is loaded once for all G heads.
+// [start, L), read page by page in place, the next page prefetched while one is computed. Each key
+// and value row is loaded once for all G heads.
 template <typename TT, int NV>
 void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, const int* table, int64_t start,
                   int64_t L, int64_t bs, int64_t page_stride, int64_t tok_stride, float scale, float* sc, float* out) {
@@ -321,11 +339,14 @@ void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, c
   for (int64_t t = start; t < L;) {  // scores, page by page
     const int64_t off = t % bs, m = std::min(bs - off, L - t);
     const TT* kp = keys + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+    const TT* kn = page_after(keys, table, t, L, bs, page_stride);
     int64_t j = 0;
     for (; j + 4 <= m; j += 4, kp += 4 * tok_stride) {  // 4 tokens: their keys in float once, one 4-way reduction
       alignas(64) float kf[4][D];
-      for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < 4; ++r) {
+        prefetch_row<TT, NV>(kn, j + r, tok_stride);
         for (int v = 0; v < NV; ++v) _mm512_store_ps(kf[r] + 16 * v, load16(kp + r * tok_stride + 16 * v));
+      }
       for (int64_t g = 0; g < G; ++g) {
         __m512 a[4];
         for (int r = 0; r < 4; ++r) {
@@ -357,7 +378,9 @@ void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, c
     for (int64_t t = start; t < L;) {
       const int64_t off = t % bs, m = std::min(bs - off, L - t);
       const TT* vp = values + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+      const TT* vn = g0 == 0 ? page_after(values, table, t, L, bs, page_stride) : nullptr;
       for (int64_t j = 0; j < m; ++j, vp += tok_stride) {
+        prefetch_row<TT, NV>(vn, j, tok_stride);
         __m512 vv[NV];
         for (int v = 0; v < NV; ++v) vv[v] = load16(vp + 16 * v);
         const int64_t col = t + j - start;
