@@ -91,6 +91,27 @@ def test_write_kv_cache_skips_negative_slots(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 80])  # head rows of whole cache lines (streaming stores), and not
+def test_write_kv_cache_from_a_fused_projection_into_a_big_cache(dtype: torch.dtype, d: int) -> None:
+    """Keys and values sliced out of one qkv output (strided rows), written at scattered slots of a
+    huge-page cache, as a decode step writes them; a negative slot is skipped."""
+    from rivulet.platforms.cpu import CpuPlatform
+
+    t, hq, hk = 37, 9, 3
+    qkv = randn(t, (hq + 2 * hk) * d, dtype=dtype)
+    _, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    k, v = k.reshape(t, hk, d), v.reshape(t, hk, d)
+    cache = CpuPlatform().zeros((2, 300, 16, hk, d), dtype)
+    slots = torch.randperm(300 * 16, generator=torch.Generator().manual_seed(3))[:t]
+    slots[5] = -1
+    ext.write_kv_cache(k, v, cache, slots)
+    want = torch.zeros_like(cache)
+    keep = slots >= 0
+    write_kv_cache_ref(k[keep], v[keep], want, slots[keep])
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (16, 1, 64), (4, 2, 80), (6, 3, 24)])  # G > 8; generic D
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("many", [False, True], ids=["few", "many"])  # per (sequence, head) tasks / per sequence
