@@ -4,7 +4,8 @@ values come from memory, not from a cache level (one layer's pages fit in L3 and
     .venv/bin/python benchmarks/cpu_decode_attention.py --result-json benchmarks/results/cpu_decode_attention.json
     .venv/bin/python benchmarks/cpu_decode_attention.py --old-sources DIR   # A/B: DIR holds an older build's .cpp files
 
-The default model's shapes (9 query heads, 3 kv heads, head_dim 64, pages of 16 tokens, 30 layers),
+The default model's shapes (9 query heads, 3 kv heads, head_dim 64, pages of 16 tokens, 30 layers, each
+layer's cache in huge pages as `CpuPlatform.zeros` allocates it),
 64 sequences of 128-255 tokens, pages scattered over the cache (as a long-running server's are) and
 contiguous (a fresh one's). Reports the best of 8 passes over the 30 layers and the K+V bytes per second.
 """
@@ -45,7 +46,13 @@ def main() -> int:
     hq, hk, d, bs, s = 9, 3, 64, 16, a.seqs
     nb = s * 16
     g = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, nb, bs, hk, d, generator=g).to(torch.bfloat16) for _ in range(a.layers)]
+    from rivulet.platforms.cpu import CpuPlatform
+
+    caches = []
+    for _ in range(a.layers):  # in huge pages, as the engine allocates them
+        c = CpuPlatform().zeros((2, nb, bs, hk, d), torch.bfloat16)
+        c.copy_(torch.randn(c.shape, generator=g))
+        caches.append(c)
     q = torch.randn(s, hq, d, generator=g).to(torch.bfloat16)
     lens = torch.randint(128, 256, (s,), dtype=torch.int32, generator=g)
     tables = {"scattered": torch.randperm(nb, generator=g).to(torch.int32).view(s, 16).contiguous(),
