@@ -361,7 +361,9 @@ void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, c
   for (int64_t t = start; t < L;) {  // scores, page by page
     const int64_t off = t % bs, m = std::min(bs - off, L - t);
     const TT* kp = keys + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+    // the next key page, or during the last one the first value page (the value pass starts there)
     const TT* kn = page_after(keys, table, t, L, bs, page_stride);
+    if (kn == nullptr) kn = values + int64_t(table[start / bs]) * page_stride;
     int64_t j = 0;
     for (; j + 4 <= m; j += 4, kp += 4 * tok_stride) {  // 4 tokens: their keys in float once, one 4-way reduction
       alignas(64) float kf[4][D];
