@@ -48,3 +48,9 @@ class Platform:
 
     def place_module(self, module: torch.nn.Module) -> None:
         """Move a loaded model's tensors to where this platform reads them fastest (nothing by default)."""
+
+    def prefault(self, regions: list[torch.Tensor]) -> object | None:
+        """Fault in the memory of buffers from `zeros` before it is first written, where first touches
+        are slow (host memory); returns a handle with `join()` when that work runs in the background.
+        Nothing by default (device memory is backed when allocated)."""
+        return None

@@ -94,6 +94,8 @@ class ModelRunner:
             cache = self.platform.zeros((2, num_blocks, bs, a.num_kv_heads, a.head_dim), self.dtype)
             a.kv_cache = cache
             self.kv_caches.append(cache)
+        # keys, then values, of every layer: each region in block order, as fresh blocks are handed out
+        self.prefaulter = self.platform.prefault([half for c in self.kv_caches for half in c.unbind(0)])
         if self.use_cuda_graphs:
             self._capture_cuda_graphs()
 

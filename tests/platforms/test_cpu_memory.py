@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -64,3 +65,56 @@ def test_place_module_leaves_a_looked_up_table_unless_a_tied_head_reads_it_whole
     CpuPlatform().place_module(plain)
     assert plain.embed.weight.data_ptr() != table and plain.head.weight is plain.embed.weight
     assert _in_arena(plain.embed.weight, plain.norm.weight.data_ptr())
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """The fraction of `t`'s pages that are in memory (mincore), anonymous ones included."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr, n = t.data_ptr(), t.numel() * t.element_size()
+    page = addr & ~4095
+    pages = -(-(n + addr - page) // 4096)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(n + addr - page), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_prefault_faults_in_every_region_and_keeps_the_zeros() -> None:
+    """The KV cache's pages are faulted in by the background thread, keys and values of every layer,
+    without changing a byte; nothing was resident before (the first writes would have faulted)."""
+    platform = CpuPlatform()
+    caches = [platform.zeros((2, 40, 16, 3, 64), torch.bfloat16) for _ in range(3)]  # ~0.5 MB halves
+    caches[1][1, 7].fill_(2.0)  # a written block stays as written
+    regions = [half for c in caches for half in c.unbind(0)]
+    assert _resident_fraction(caches[0]) == 0.0
+    thread = platform.prefault(regions)
+    if thread is None:
+        pytest.skip("no SCHED_IDLE on this OS: pages fault in on first write")
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert thread.populated == sum(r.numel() * r.element_size() for r in regions)
+    for c in caches:
+        assert _resident_fraction(c) == 1.0
+    assert int(caches[1][1, 7].eq(2.0).sum()) == caches[1][1, 7].numel()
+    caches[1][1, 7].zero_()
+    assert not any(c.any() for c in caches)
+
+
+def test_prefault_stops_when_the_cache_is_freed() -> None:
+    """The thread holds weak references only: a cache dropped before it ran (an engine rebuilt in the
+    same process) is neither kept alive nor walked."""
+    import gc
+    import weakref
+
+    from rivulet.platforms.cpu import Prefaulter
+
+    cache = CpuPlatform().zeros((2, 400, 16, 3, 64), torch.bfloat16)
+    thread = Prefaulter(list(cache.unbind(0)))
+    alive = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert alive() is None
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and thread.populated == 0
