@@ -1,10 +1,11 @@
-"""bf16 linears on oneDNN-packed weights (the CPU backend's `pack_linear_weight` / `packed_linear`):
-no C++ extension involved, so these run wherever PyTorch has oneDNN's bf16 matmul."""
+"""bf16 linears on weights packed once (the CPU backend's `pack_linear_weight` / `packed_linear`): our AMX
+tile kernel where AMX-BF16 is usable (`amx_linear.cpp`), oneDNN's packed matmul elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rivulet.kernels.cpu import ops as cpu_ops
 
@@ -16,16 +17,73 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 @pytest.mark.skipif(not cpu_ops.PACKED_BF16, reason="this PyTorch build has no oneDNN bf16 matmul")
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 256])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_bf16_linear_equals_f_linear(rows: int, bias: bool) -> None:
+def test_onednn_packed_bf16_linear_equals_f_linear(rows: int, bias: bool) -> None:
     w = randn(1152, 576, dtype=torch.bfloat16)
     b = randn(1152, dtype=torch.bfloat16, seed=2) if bias else None
-    packed = cpu_ops.pack_linear_weight(w)
-    assert packed is not None and packed.is_mkldnn and packed.shape == w.shape
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # what pack_linear_weight gives without AMX
     x = randn(rows, 576, dtype=torch.bfloat16, seed=1)
     # the same oneDNN kernels on a weight packed once: the same bits at decode and small-prefill sizes
-    assert torch.equal(cpu_ops.packed_linear(x, packed, b), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(cpu_ops.packed_linear(x, packed, b), F.linear(x, w, b))
     x3 = x.reshape(1, rows, 576)  # leading dims are kept
     assert cpu_ops.packed_linear(x3, packed, b).shape == (1, rows, 1152)
+
+
+amx = pytest.mark.skipif(not cpu_ops.AMX_BF16, reason="no usable AMX-BF16 on this CPU (oneDNN's path is used)")
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_is_as_exact_as_onednn(rows: int, shape: tuple[int, int], bias: bool) -> None:
+    """Against the float32 product: no further off than oneDNN's own bf16 matmul, plus one bf16 step
+    of rounding (both accumulate in float32 and round once, in different orders)."""
+    n, k = shape
+    w = randn(n, k, dtype=torch.bfloat16)
+    b = randn(n, dtype=torch.bfloat16, seed=2) if bias else None
+    packed = cpu_ops.pack_linear_weight(w)
+    assert packed is not None and packed.shape == (n // 16, k // 32, 16, 32)
+    x = randn(rows, k, dtype=torch.bfloat16, seed=1)
+    ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+    got = cpu_ops.packed_linear(x, packed, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    ulp = ref.abs().max().item() * 2**-8
+    assert (got.float() - ref).abs().max() <= (F.linear(x, w, b).float() - ref).abs().max() + ulp
+    assert (got.float() - ref).abs().max() <= ulp  # rounded once: within a bf16 step of the largest value
+
+
+@amx
+def test_amx_linear_rows_do_not_depend_on_the_batch() -> None:
+    """Each output row is computed from its own input row in one fixed order, whatever the batch:
+    a request's numbers do not change with what else is in the step (oneDNN's change at 64 rows)."""
+    w = randn(576, 1536, dtype=torch.bfloat16)
+    packed = cpu_ops.pack_linear_weight(w)
+    x = randn(70, 1536, dtype=torch.bfloat16, seed=3)
+    whole = cpu_ops.packed_linear(x, packed)
+    for i in (0, 15, 16, 69):
+        assert torch.equal(cpu_ops.packed_linear(x[i:i + 1], packed)[0], whole[i])
+    assert torch.equal(cpu_ops.packed_linear(x[16:33], packed), whole[16:33])
+
+
+@amx
+def test_amx_linear_takes_strided_rows_and_keeps_leading_dims() -> None:
+    w = randn(64, 64, dtype=torch.bfloat16)
+    packed = cpu_ops.pack_linear_weight(w)
+    wide = randn(7, 192, dtype=torch.bfloat16, seed=4)
+    x = wide[:, 64:128]  # rows 192 apart, as a split of a fused projection
+    assert torch.equal(cpu_ops.packed_linear(x, packed), cpu_ops.packed_linear(x.contiguous(), packed))
+    assert cpu_ops.packed_linear(x.contiguous().view(1, 7, 64), packed).shape == (1, 7, 64)
+    with pytest.raises(RuntimeError, match="features"):
+        cpu_ops.packed_linear(randn(2, 32, dtype=torch.bfloat16), packed)
+
+
+@pytest.mark.skipif(not cpu_ops.PACKED_BF16, reason="this PyTorch build has no oneDNN bf16 matmul")
+def test_shapes_off_the_tile_grid_use_onednn() -> None:
+    w = randn(24, 40, dtype=torch.bfloat16)  # N % 16, K % 32 != 0
+    packed = cpu_ops.pack_linear_weight(w)
+    assert packed is not None and packed.is_mkldnn and cpu_ops.is_packed(packed)
+    x = randn(3, 40, dtype=torch.bfloat16, seed=1)
+    assert torch.equal(cpu_ops.packed_linear(x, packed), F.linear(x, w))
 
 
 def test_pack_linear_weight_keeps_float32_plain() -> None:
@@ -33,4 +91,5 @@ def test_pack_linear_weight_keeps_float32_plain() -> None:
     assert cpu_ops.pack_linear_weight(randn(8, 16, dtype=torch.float32)) is None
     w = randn(8, 16, dtype=torch.float32)
     x = randn(3, 16, dtype=torch.float32, seed=1)
-    assert torch.equal(cpu_ops.packed_linear(x, w), torch.nn.functional.linear(x, w))  # a plain weight works too
+    assert not cpu_ops.is_packed(w)
+    assert torch.equal(cpu_ops.packed_linear(x, w), F.linear(x, w))  # a plain weight works too

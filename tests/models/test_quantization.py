@@ -62,12 +62,12 @@ def test_bf16_linears_are_prepacked_once(tiny_model_dir):
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     r = make_runner(path, dtype="bfloat16")
     layer = r.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj.quant, Prepacked) and layer.mlp.down_proj.weight.is_mkldnn
+    assert isinstance(layer.mlp.down_proj.quant, Prepacked) and cpu_ops.is_packed(layer.mlp.down_proj.weight)
     assert isinstance(r.model.lm_head.quant, Prepacked)
-    assert not r.model.lm_head.weight.is_mkldnn  # shared with the embedding, which looks rows up
+    assert not cpu_ops.is_packed(r.model.lm_head.weight)  # shared with the embedding, which looks rows up
     assert r.model.lm_head.weight is r.model.model.embed_tokens.weight
     untied = make_runner(tiny_model_dir("llama")[0], dtype="bfloat16")
-    assert isinstance(untied.model.lm_head.quant, Prepacked) and untied.model.lm_head.weight.is_mkldnn
+    assert isinstance(untied.model.lm_head.quant, Prepacked) and cpu_ops.is_packed(untied.model.lm_head.weight)
     got = teacher_forced_logits(r, ids, chunks=[12], blocks=list(range(12)))
 
     original = loader.prepack_model
@@ -89,5 +89,5 @@ def test_quantized_big_steps_use_the_packed_weight(tiny_model_dir):
     r = make_runner(path, dtype="bfloat16", quantization="int8")
     q = r.model.model.layers[0].self_attn.o_proj.quant
     assert isinstance(q, WeightOnly) and isinstance(q.dense, Prepacked)
-    assert r.model.model.layers[0].self_attn.o_proj.weight.is_mkldnn
+    assert cpu_ops.is_packed(r.model.model.layers[0].self_attn.o_proj.weight)
     assert r.forward([SeqChunk(list(range(MAX_ROWS + 4)), 0, [0, 1, 2, 3])]).shape == (1, 256)

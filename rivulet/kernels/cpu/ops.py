@@ -73,20 +73,34 @@ def dequantize_gguf_blocks(blocks: torch.Tensor, kind: str, dtype: torch.dtype =
     return _ext.dequantize_gguf_blocks(blocks.contiguous(), _GGUF_KINDS[kind], dtype)
 
 
-# oneDNN (AMX or AVX512-BF16) matmuls on a weight already in its blocked layout: F.linear on a
-# plain [N, K] weight repacks it at every call, which costs a decode step ~1.2x and a 64-row step
-# ~1.4x of the matmul time here (docs/cpu.md). Results are bitwise those of F.linear at decode sizes.
+# bf16 linears on weights packed once. F.linear on a plain [N, K] weight has oneDNN repack it at every
+# call, which costs a decode step ~1.2x and a 64-row step ~1.4x of the matmul time here (docs/cpu.md).
+# Where AMX-BF16 is usable the weight goes into our own tile layout (`amx_linear.cpp`: oneDNN's packed
+# matmul spends ~35 us per call around the arithmetic, 1.5-1.8x of a 1-16 row step's linears); else into
+# oneDNN's blocked layout (AVX512-BF16 machines), whose results are bitwise F.linear's at decode sizes.
 PACKED_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+AMX_BF16 = AVAILABLE and _ext.amx_linear_available()
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether `weight` is in a layout `pack_linear_weight` made (not a plain [N, K] weight)."""
+    return weight.is_mkldnn or weight.dim() == 4
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [N, K] in oneDNN's layout for `packed_linear`, or None where it would not pay (not bf16)."""
+    """`weight` [N, K] in this machine's packed layout for `packed_linear` (AMX tiles [N/16, K/32, 16, 32]
+    when N % 16 == K % 32 == 0, else oneDNN's), or None where it would not pay (not bf16)."""
     if not PACKED_BF16 or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
+    n, k = weight.shape
+    if AMX_BF16 and n % 16 == 0 and k % 32 == 0:
+        return _ext.amx_pack_weight(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed.dim() == 4:
+        return _ext.amx_linear(x, packed, bias)
     if not packed.is_mkldnn:
         return F.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
