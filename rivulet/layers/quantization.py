@@ -110,5 +110,6 @@ def prepack_model(model: nn.Module) -> int:
             module.quant = Prepacked(packed)
         if users[module.weight.data_ptr()] == 1:  # nobody else reads the plain copy: drop it
             module.weight = nn.Parameter(packed, requires_grad=False)
+            module.packed_params = ("weight",)  # the platform leaves it where the kernel put it
         count += 1
     return count

@@ -140,20 +140,21 @@ class CpuPlatform(Platform):
         return thread
 
     def place_module(self, module: nn.Module) -> None:
-        """Copy every parameter and buffer (shared ones once) into one huge-page arena; tensors in
-        a kernel library's own layout (oneDNN's opaque packed weights) stay where they are, and so
-        do parameters that only row lookups read (a module's `gathered_params`: the embedding
-        table, unless a tied LM head reads it whole): a lookup touches a few rows, while faulting
-        2 MiB pages in costs start-up time (the kernel compacts memory for them: 0.1-0.7 s for the
-        default model's 56 MB table)."""
-        gathered_only: dict[int, bool] = {}
+        """Copy every parameter and buffer (shared ones once) into one huge-page arena, but for
+        weights a kernel packed for itself (a module's `packed_params`, and oneDNN's opaque
+        tensors): streamed front to back once per step, they measured no faster in huge pages, whose
+        faults cost start-up time (the packed bf16 weights of the default model 1.65 s: fresh 2 MiB
+        pages fault in at ~100-120 MB/s in this VM, docs/cpu.md). Parameters that only row lookups
+        read stay too (a module's `gathered_params`: the embedding table, unless a tied LM head
+        reads it whole): a lookup touches a few rows."""
+        stays: dict[int, bool] = {}
         for m in module.modules():
-            gathered = getattr(m, "gathered_params", ())
+            gathered = (*getattr(m, "gathered_params", ()), *getattr(m, "packed_params", ()))
             for name, p in m.named_parameters(recurse=False):
-                gathered_only[id(p)] = gathered_only.get(id(p), True) and name in gathered
+                stays[id(p)] = stays.get(id(p), True) and name in gathered
         tensors: dict[int, torch.Tensor] = {}
         for t in [*module.parameters(), *module.buffers()]:
-            if t.device.type == "cpu" and t.numel() and not t.is_mkldnn and not gathered_only.get(id(t)):
+            if t.device.type == "cpu" and t.numel() and not t.is_mkldnn and not stays.get(id(t)):
                 tensors.setdefault(t.data_ptr(), t)
         if not tensors:
             return

@@ -118,3 +118,16 @@ def test_prefault_stops_when_the_cache_is_freed() -> None:
     thread.start()
     thread.join(timeout=30)
     assert not thread.is_alive() and thread.populated == 0
+
+
+def test_place_module_leaves_weights_a_kernel_packed() -> None:
+    """A module's `packed_params` (prepack_model's AMX tiles) stay where the kernel wrote them; the
+    rest of the module moves."""
+    m = nn.Linear(32, 16)
+    m.weight = nn.Parameter(torch.randn(1, 1, 16, 32), requires_grad=False)  # a packed layout
+    m.packed_params = ("weight",)
+    weight, bias = m.weight.data_ptr(), m.bias.data_ptr()
+    values = m.weight.detach().clone()
+    CpuPlatform().place_module(m)
+    assert m.weight.data_ptr() == weight and torch.equal(m.weight, values)
+    assert m.bias.data_ptr() != bias and m.bias.data_ptr() % 64 == 0
