@@ -139,6 +139,34 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (32, 1, 128), (4, 2, 80), (6, 3, 24), (40, 1, 16)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_prefill_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None) -> None:
+    """Chunks from position 0 and after a cached prefix, k-token steps, across the kernel's tiles (32 rows) and
+    key blocks (32 keys); 40 query heads per kv head is past the kernel (the SDPA path runs)."""
+    from rivulet.kernels.cpu.attention import prefill_kernel
+
+    bs = 16
+    spec = [(0, 70), (33, 45), (0, 1), (100, 3), (5, 2), (0, 33), (47, 1)]  # (cached, new)
+    g = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-(c + n) // bs) for c, n in spec) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    chunks = []
+    for cached, new in spec:
+        nb = -(-(cached + new) // bs)
+        chunks.append(SeqChunk([0] * new, cached, perm[:nb]))
+        perm = perm[nb:]
+    meta = build_flat_batch(chunks, bs, torch.device("cpu")).meta
+    cache = randn(2, num_blocks, bs, hk, d, dtype=dtype, seed=1)
+    q = randn(len(meta.slot_mapping), hq, d, dtype=dtype, seed=2)
+    assert prefill_kernel(ext, q, cache) == (hq // hk <= 32 and (dtype == torch.float32 or ext.PREFILL_ATTENTION_BF16))
+    got = paged_attention_cpu(q, cache, meta, d**-0.5, window)
+    want = paged_attention_ref(q.float(), cache.float(), meta, d**-0.5, window)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])  # below, at and across the kernel's 4-row tile
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])  # K not a multiple of 64 too
 def test_int8_linear_matches_reference(dtype: torch.dtype, m: int, n: int, k: int) -> None:

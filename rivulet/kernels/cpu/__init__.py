@@ -19,7 +19,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp"]
+_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp", "prefill_attention.cpp"]
 _LOCK = threading.Lock()
 
 

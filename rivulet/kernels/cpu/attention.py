@@ -1,10 +1,12 @@
 """The CPU attention backend over the paged KV cache (layout in `rivulet.kernels.attention`).
 
-Decode tokens (one query token per sequence) of a step go through one call: the C++ kernel reading
-the pages in place, or without it one SDPA over the gathered pages padded to the longest context.
-Each prefill chunk is one SDPA call over its gathered context, in the 4-D layout that PyTorch's
-fused CPU kernel (flash attention) takes: a 3-D call falls back to the unfused math path, about 15x
-slower at 1k tokens. A chunk that starts at position 0 needs no mask (`is_causal`).
+Two C++ kernels read the pages in place, each one call per layer for the whole step: decode tokens
+(one query token per sequence) and the sequences with more than one query token (prefill chunks,
+k-token steps; `prefill_attention.cpp`, flash attention with the query rows in the vector lanes).
+Without the C++ build (or bf16 without AVX512-BF16) decodes are one SDPA over the gathered pages
+padded to the longest context, and each prefill chunk one SDPA over its gathered context, in the
+4-D layout that PyTorch's fused CPU kernel (flash attention) takes (a 3-D call falls back to the
+unfused math path, about 15x slower at 1k tokens). A chunk that starts at position 0 needs no mask.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class DecodePlan:
     block_ids: torch.Tensor  # [S * n] the pages of each decode sequence, padded to n pages
     mask: torch.Tensor  # [S, 1, 1, n * block_size] which keys each decode token may see
     prefill: list[int]  # sequences with more than one query token
+    prefill_seqs: torch.Tensor  # the same, as a tensor for the kernel
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> DecodePlan:
@@ -41,7 +44,7 @@ class DecodePlan:
         tables = meta.block_tables[torch.tensor(decode, dtype=torch.long), :n].long().flatten()
         prefill = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
         return cls(torch.tensor([qsl[i] for i in decode]), torch.tensor(decode, dtype=torch.long), tables,
-                   mask[:, None, None, :], prefill)
+                   mask[:, None, None, :], prefill, torch.tensor(prefill, dtype=torch.long))
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float,
@@ -73,8 +76,8 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over the paged cache: decodes in one call, prefill chunks one
-    SDPA each."""
+    """Causal attention of query [T, Hq, D] over the paged cache: decodes in one call, prefill chunks in
+    one more (or one SDPA each without the kernel)."""
     _, num_blocks, block_size, hk, d = kv_cache.shape
     key = ("cpu_decode", sliding_window)
     plan = meta.backend_cache.get(key)
@@ -93,7 +96,22 @@ def paged_attention_cpu(
         o = F.scaled_dot_product_attention(query[plan.rows][:, :, None, :], k.to(query.dtype), v.to(query.dtype),
                                            attn_mask=plan.mask, scale=scale, enable_gqa=True)
         out[plan.rows] = o[:, :, 0, :]
+    if plan.prefill and prefill_kernel(ext, query, kv_cache):
+        ext.prefill_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                              plan.prefill_seqs, out, scale, sliding_window or 0)
+        return out
     qsl = meta.query_start_loc_cpu
     for i in plan.prefill:
         out[qsl[i]:qsl[i + 1]] = prefill_attention(query, kv_cache, meta, i, scale, sliding_window)
     return out
+
+
+def prefill_kernel(ext, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ prefill kernel takes this layer: float32, or bf16 where AVX512-BF16 is; head groups
+    of at most 32 query heads; query rows with the head dim contiguous."""
+    if ext is None or not hasattr(ext, "prefill_attention") or query.dtype != kv_cache.dtype:
+        return False
+    if not (query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and ext.PREFILL_ATTENTION_BF16)):
+        return False
+    hq, d, hk = query.shape[1], query.shape[2], kv_cache.shape[3]
+    return hq % hk == 0 and hq // hk <= 32 and query.stride(2) == 1 and (query.dtype == torch.float32 or d % 2 == 0)
