@@ -1,5 +1,7 @@
 """bf16 linears on weights packed once (the CPU backend's `pack_linear_weight` / `packed_linear`): our AMX
-tile kernel where AMX-BF16 is usable (`amx_linear.cpp`), oneDNN's packed matmul elsewhere."""
+tile kernel where AMX-BF16 is usable (`amx_linear.cpp`), our panel kernel on other AVX512-BF16 CPUs
+(`vdpbf16ps`) and on AVX2-only ones (fp32 FMAs) (`bf16_linear.cpp`), oneDNN's packed matmul elsewhere.
+The tests of "our kernel" run on whichever this CPU has."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.skipif(not cpu_ops.PACKED_BF16, reason="this PyTorch build has no oneDNN bf16 matmul")
+@pytest.mark.skipif(not cpu_ops.PACKED_BF16, reason="no oneDNN bf16 matmul on this CPU (AVX2 only)")
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 256])
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_packed_bf16_linear_equals_f_linear(rows: int, bias: bool) -> None:
@@ -28,21 +30,27 @@ def test_onednn_packed_bf16_linear_equals_f_linear(rows: int, bias: bool) -> Non
     assert cpu_ops.packed_linear(x3, packed, b).shape == (1, rows, 1152)
 
 
-amx = pytest.mark.skipif(not cpu_ops.AMX_BF16, reason="no usable AMX-BF16 on this CPU (oneDNN's path is used)")
+ours = pytest.mark.skipif(not (cpu_ops.AMX_BF16 or cpu_ops.PANEL_BF16),
+                          reason="none of AMX-BF16, AVX512-BF16, AVX2 on this CPU (oneDNN's path is used)")
 
 
-@amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 300])
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64)])
+def packed_shape(n: int, k: int) -> tuple[int, ...]:
+    return (n // 16, k // 32, 16, 32) if cpu_ops.AMX_BF16 else (n // 16, k // 2, 32)
+
+
+@ours
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 64, 300])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64), (80, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_is_as_exact_as_onednn(rows: int, shape: tuple[int, int], bias: bool) -> None:
+def test_our_linear_is_as_exact_as_onednn(rows: int, shape: tuple[int, int], bias: bool) -> None:
     """Against the float32 product: no further off than oneDNN's own bf16 matmul, plus one bf16 step
-    of rounding (both accumulate in float32 and round once, in different orders)."""
+    of rounding (both accumulate in float32 and round once, in different orders). The shapes leave
+    partial row blocks (rows % 6, rows % 16) and panel groups (48 and 80 columns: 3 and 5 panels)."""
     n, k = shape
     w = randn(n, k, dtype=torch.bfloat16)
     b = randn(n, dtype=torch.bfloat16, seed=2) if bias else None
     packed = cpu_ops.pack_linear_weight(w)
-    assert packed is not None and packed.shape == (n // 16, k // 32, 16, 32)
+    assert packed is not None and tuple(packed.shape) == packed_shape(n, k) and cpu_ops.is_packed(packed)
     x = randn(rows, k, dtype=torch.bfloat16, seed=1)
     ref = x.float() @ w.float().t() + (b.float() if bias else 0)
     got = cpu_ops.packed_linear(x, packed, b)
@@ -52,21 +60,32 @@ def test_amx_linear_is_as_exact_as_onednn(rows: int, shape: tuple[int, int], bia
     assert (got.float() - ref).abs().max() <= ulp  # rounded once: within a bf16 step of the largest value
 
 
-@amx
-def test_amx_linear_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.skipif(not cpu_ops.PANEL_BF16, reason="the panel kernel is used on CPUs without AMX")
+def test_panel_kernel_takes_k_off_the_amx_grid() -> None:
+    """K % 32 != 0 (an AMX tile's depth) still packs for the panel kernel: it needs K even only."""
+    w = randn(32, 38, dtype=torch.bfloat16)
+    packed = cpu_ops.pack_linear_weight(w)
+    assert packed is not None and tuple(packed.shape) == (2, 19, 32)
+    x = randn(9, 38, dtype=torch.bfloat16, seed=1)
+    ref = x.float() @ w.float().t()
+    assert (cpu_ops.packed_linear(x, packed).float() - ref).abs().max() <= ref.abs().max().item() * 2**-8
+
+
+@ours
+def test_our_linear_rows_do_not_depend_on_the_batch() -> None:
     """Each output row is computed from its own input row in one fixed order, whatever the batch:
     a request's numbers do not change with what else is in the step (oneDNN's change at 64 rows)."""
     w = randn(576, 1536, dtype=torch.bfloat16)
     packed = cpu_ops.pack_linear_weight(w)
     x = randn(70, 1536, dtype=torch.bfloat16, seed=3)
     whole = cpu_ops.packed_linear(x, packed)
-    for i in (0, 15, 16, 69):
+    for i in (0, 5, 6, 15, 16, 69):
         assert torch.equal(cpu_ops.packed_linear(x[i:i + 1], packed)[0], whole[i])
     assert torch.equal(cpu_ops.packed_linear(x[16:33], packed), whole[16:33])
 
 
-@amx
-def test_amx_linear_takes_strided_rows_and_keeps_leading_dims() -> None:
+@ours
+def test_our_linear_takes_strided_rows_and_keeps_leading_dims() -> None:
     w = randn(64, 64, dtype=torch.bfloat16)
     packed = cpu_ops.pack_linear_weight(w)
     wide = randn(7, 192, dtype=torch.bfloat16, seed=4)
@@ -77,12 +96,14 @@ def test_amx_linear_takes_strided_rows_and_keeps_leading_dims() -> None:
         cpu_ops.packed_linear(randn(2, 32, dtype=torch.bfloat16), packed)
 
 
-@pytest.mark.skipif(not cpu_ops.PACKED_BF16, reason="this PyTorch build has no oneDNN bf16 matmul")
-def test_shapes_off_the_tile_grid_use_onednn() -> None:
-    w = randn(24, 40, dtype=torch.bfloat16)  # N % 16, K % 32 != 0
+def test_shapes_off_the_grids_use_onednn_or_stay_plain() -> None:
+    w = randn(24, 40, dtype=torch.bfloat16)  # N % 16 != 0: neither our tiles nor our panels
     packed = cpu_ops.pack_linear_weight(w)
-    assert packed is not None and packed.is_mkldnn and cpu_ops.is_packed(packed)
     x = randn(3, 40, dtype=torch.bfloat16, seed=1)
+    if not cpu_ops.PACKED_BF16:  # an AVX2-only CPU: no oneDNN bf16 matmul, the plain weight stays
+        assert packed is None
+        return
+    assert packed is not None and packed.is_mkldnn and cpu_ops.is_packed(packed)
     assert torch.equal(cpu_ops.packed_linear(x, packed), F.linear(x, w))
 
 

@@ -19,13 +19,21 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp", "prefill_attention.cpp"]
+_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp", "prefill_attention.cpp", "bf16_linear.cpp"]
 _LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
     root = os.environ.get("RIVULET_CACHE_DIR") or Path.home() / ".cache" / "rivulet"
     return Path(root) / "cpu_ext"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
 
 
 @lru_cache(maxsize=1)
@@ -42,6 +50,7 @@ def load_cpu_ext() -> ModuleType | None:
     here = Path(__file__).parent
     sources = [str(here / s) for s in _SOURCES]
     h = hashlib.sha256(torch.__version__.encode())
+    h.update(_cpu_flags().encode())  # -march=native: a build is for this CPU's instruction sets only
     for s in sources:
         h.update(Path(s).read_bytes())
     build = cache_dir() / h.hexdigest()[:16]

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -440,6 +440,147 @@ DecodeGroupFn<TT> decode_group_for(int64_t D) {
 }
 
 }  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+namespace {
+
+// AVX2 (8 lanes, 16 registers: AMD Zen 2/3, Intel Haswell to Alder Lake) versions of the decode kernel's
+// pieces. The same arithmetic as the AVX-512 kernel (fp32 scores, the same exp polynomial), in a
+// simpler order: one key row at a time, and the output accumulated in L1 across the group's heads
+// (a head's 64 floats are 8 of the 16 registers), each value row converted to float once per group.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp of 8 floats <= 0 (exp16's polynomial; 2^n built in the exponent bits: n >= -126 after the clamp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline void softmax_row(float* sc, int64_t n) {
+  const int64_t nv = n & ~int64_t(7);
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < nv; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx8);
+  float mx = -INFINITY;
+  for (float v : lanes) mx = std::max(mx, v);
+  for (int64_t j = nv; j < n; ++j) mx = std::max(mx, sc[j]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nv; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
+    _mm256_storeu_ps(sc + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum8(sum8);
+  for (int64_t j = nv; j < n; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+}
+
+// The rows of a sequence's next page, one per row computed of the current one (see the AVX-512 build).
+template <typename TT, int64_t D>
+inline void prefetch_row(const TT* next_page, int64_t row, int64_t tok_stride) {
+  if (next_page == nullptr) return;
+  const char* p = reinterpret_cast<const char*>(next_page + row * tok_stride);
+  for (int64_t b = 0; b < int64_t(D * sizeof(TT)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+template <typename TT>
+inline const TT* page_after(const TT* base, const int* table, int64_t t, int64_t L, int64_t bs, int64_t page_stride) {
+  const int64_t p = t / bs + 1;
+  return p * bs < L ? base + int64_t(table[p]) * page_stride : nullptr;
+}
+
+// One (sequence, kv head), as decode_group of the AVX-512 build: D = NV * 8.
+template <typename TT, int NV>
+void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, const int* table, int64_t start,
+                  int64_t L, int64_t bs, int64_t page_stride, int64_t tok_stride, float scale, float* sc, float* out) {
+  constexpr int64_t D = NV * 8;
+  const int64_t n = L - start;
+  for (int64_t t = start; t < L;) {  // scores, page by page
+    const int64_t off = t % bs, m = std::min(bs - off, L - t);
+    const TT* kp = keys + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+    const TT* kn = page_after(keys, table, t, L, bs, page_stride);  // prefetched row by row, as above
+    if (kn == nullptr) kn = values + int64_t(table[start / bs]) * page_stride;
+    for (int64_t j = 0; j < m; ++j, kp += tok_stride) {
+      prefetch_row<TT, D>(kn, j, tok_stride);
+      __m256 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = load8(kp + 8 * v);
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), kv[0]);
+        for (int v = 1; v < NV; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * v), kv[v], a);
+        sc[g * n + (t + j - start)] = hsum8(a) * scale;
+      }
+    }
+    t += m;
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * n, n);
+  for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+  for (int64_t t = start; t < L;) {
+    const int64_t off = t % bs, m = std::min(bs - off, L - t);
+    const TT* vp = values + int64_t(table[t / bs]) * page_stride + off * tok_stride;
+    const TT* vn = page_after(values, table, t, L, bs, page_stride);
+    for (int64_t j = 0; j < m; ++j, vp += tok_stride) {
+      prefetch_row<TT, D>(vn, j, tok_stride);
+      __m256 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load8(vp + 8 * v);
+      const int64_t col = t + j - start;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(sc[g * n + col]);
+        float* o = out + g * D;
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, _mm256_fmadd_ps(p, vv[v], _mm256_loadu_ps(o + 8 * v)));
+      }
+    }
+    t += m;
+  }
+}
+
+template <typename TT>
+using DecodeGroupFn = void (*)(const float*, int64_t, const TT*, const TT*, const int*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, float, float*, float*);
+
+template <typename TT>
+DecodeGroupFn<TT> decode_group_for(int64_t D) {
+  switch (D) {
+    case 16: return decode_group<TT, 2>;
+    case 24: return decode_group<TT, 3>;
+    case 32: return decode_group<TT, 4>;
+    case 64: return decode_group<TT, 8>;
+    case 80: return decode_group<TT, 10>;
+    case 96: return decode_group<TT, 12>;
+    case 128: return decode_group<TT, 16>;
+    case 256: return decode_group<TT, 32>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+#define RIVULET_DECODE_KERNEL 1
+#endif
+#if defined(__AVX512F__)
+#define RIVULET_DECODE_KERNEL 1
 #endif
 
 // Decode attention: one query token per listed sequence. query [T, Hq, D]; out [T, Hq, D] is
@@ -458,7 +599,7 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
     using TT = decltype(tag);
     TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "decode_attention: cache dtype");
     const TT* cache = kv_cache.data_ptr<TT>();
-#ifdef __AVX512F__
+#ifdef RIVULET_DECODE_KERNEL
     const DecodeGroupFn<TT> fast = decode_group_for<TT>(D);
 #endif
     at::parallel_for(0, S * Hk, 1, [&](int64_t w0, int64_t w1) {
@@ -474,7 +615,7 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
         }
         const int64_t n = L - start;
         sc.assign(G * n, 0.f);
-#ifdef __AVX512F__
+#ifdef RIVULET_DECODE_KERNEL
         if (fast != nullptr) {
           fast(qf.data(), G, cache + h * D, cache + plane + h * D, table, start, L, bs, bs * Hk * D, Hk * D,
                float(scale), sc.data(), acc.data());

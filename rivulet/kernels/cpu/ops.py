@@ -1,6 +1,6 @@
 """The CPU kernel backend: the compiled ops of `rivulet.kernels.cpu` behind the reference
 signatures, or the references themselves when the extension could not be built; and bf16 linears
-through oneDNN on weights packed once (`pack_linear_weight`)."""
+on weights packed once (`pack_linear_weight`) for our AMX or AVX512-BF16 kernels, or oneDNN."""
 
 from __future__ import annotations
 
@@ -75,32 +75,44 @@ def dequantize_gguf_blocks(blocks: torch.Tensor, kind: str, dtype: torch.dtype =
 
 # bf16 linears on weights packed once. F.linear on a plain [N, K] weight has oneDNN repack it at every
 # call, which costs a decode step ~1.2x and a 64-row step ~1.4x of the matmul time here (docs/cpu.md).
-# Where AMX-BF16 is usable the weight goes into our own tile layout (`amx_linear.cpp`: oneDNN's packed
-# matmul spends ~35 us per call around the arithmetic, 1.5-1.8x of a 1-16 row step's linears); else into
-# oneDNN's blocked layout (AVX512-BF16 machines), whose results are bitwise F.linear's at decode sizes.
+# oneDNN's packed matmul then spends ~35 us per call around the arithmetic, so the weight goes into our
+# own layout where a kernel of ours fits the machine: AMX tiles (`amx_linear.cpp`, 1.5-1.8x of a 1-16
+# row step's linears) where AMX-BF16 is usable, else 16-column panels (`bf16_linear.cpp`): `vdpbf16ps`
+# on AVX512-BF16 (AMD Zen 4: 2.2x at 1 row, 1.45x at 16) or fp32 FMAs on AVX2-only CPUs, where oneDNN
+# has no bf16 matmul and PyTorch's is emulated (Zen 3: 1.7x at 1 row, 4.9x at 64); oneDNN's blocked
+# layout elsewhere (AVX-512 without BF16).
 PACKED_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 AMX_BF16 = AVAILABLE and _ext.amx_linear_available()
+PANEL_BF16 = AVAILABLE and not AMX_BF16 and _ext.bf16_linear_available()
+PANEL_ISA = _ext.BF16_LINEAR_ISA if PANEL_BF16 else ""  # "avx512_bf16" or "avx2"
 
 
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether `weight` is in a layout `pack_linear_weight` made (not a plain [N, K] weight)."""
-    return weight.is_mkldnn or weight.dim() == 4
+    return weight.is_mkldnn or weight.dim() in (3, 4)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [N, K] in this machine's packed layout for `packed_linear` (AMX tiles [N/16, K/32, 16, 32]
-    when N % 16 == K % 32 == 0, else oneDNN's), or None where it would not pay (not bf16)."""
-    if not PACKED_BF16 or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+    """`weight` [N, K] in this machine's packed layout for `packed_linear`: AMX tiles [N/16, K/32, 16, 32]
+    (N % 16 == K % 32 == 0), panels [N/16, K/2, 32] (N % 16 == K % 2 == 0), else oneDNN's; None where
+    nothing would pay (not bf16, or no packed kernel for this shape on this CPU)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     n, k = weight.shape
     if AMX_BF16 and n % 16 == 0 and k % 32 == 0:
         return _ext.amx_pack_weight(weight.detach())
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    if PANEL_BF16 and n % 16 == 0 and k % 2 == 0:
+        return _ext.bf16_pack_weight(weight.detach())
+    if PACKED_BF16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    return None
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if packed.dim() == 4:
         return _ext.amx_linear(x, packed, bias)
+    if packed.dim() == 3:
+        return _ext.bf16_linear(x, packed, bias)
     if not packed.is_mkldnn:
         return F.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -335,12 +335,14 @@ void register_cpu_ops(py::module& m);
 void register_gguf_ops(py::module& m);
 void register_amx_ops(py::module& m);
 void register_prefill_attention(py::module& m);
+void register_bf16_linear(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cpu_ops(m);
   register_gguf_ops(m);
   register_amx_ops(m);
   register_prefill_attention(m);
+  register_bf16_linear(m);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear (VNNI)", py::arg("x"), py::arg("w"),
         py::arg("w_scale"), py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear, "weight-only 4-bit (Q4_1-style) linear (VNNI)", py::arg("x"), py::arg("w"),
