@@ -13,6 +13,7 @@
 #   bash benchmarks/cpu_vs_peers.sh                     # SYSTEMS="rivulet rivulet-int4 vllm llamacpp" by default
 #   SYSTEMS="rivulet vllm" ROWS="1 3" bash benchmarks/cpu_vs_peers.sh
 #   ROWS= bash benchmarks/cpu_vs_peers.sh               # start to healthy only
+#   VLLM_CLIENT=0 bash benchmarks/cpu_vs_peers.sh       # each point with `rivulet bench serve` only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cpu_vs_peers}
@@ -23,6 +24,7 @@ SYSTEMS=${SYSTEMS:-"rivulet rivulet-int4 vllm llamacpp"}
 ROWS=${ROWS-"1 2 3 4"}  # ROWS= (empty): starts only
 PORT=${PORT:-8020}
 POINT_S=${POINT_S:-300}
+VLLM_CLIENT=${VLLM_CLIENT:-1}  # 0: only `rivulet bench serve` (half the time, on slow machines)
 HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
 mkdir -p "$OUT"
 log() { echo "== $(date +%H:%M:%S) $*" >&2; }
@@ -86,7 +88,7 @@ for sys in $SYSTEMS; do
             --dataset random --input-len "$in" --output-len "$out" --num-prompts "$n" --max-concurrency "$c" \
             --ignore-eos --disable-tqdm --max-duration-s "$POINT_S" --result-json "$OUT/${sys}_row${row}.json" \
             > "$OUT/${sys}_row${row}.log" 2>&1 || log "rivulet bench serve failed for $sys row $row (see the log)"
-        if [[ -x $VLLM/bin/vllm ]]; then
+        if [[ $VLLM_CLIENT == 1 && -x $VLLM/bin/vllm ]]; then
             "$VLLM/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" --model default \
                 --tokenizer "$HF_DIR" --dataset-name random --random-input-len "$in" --random-output-len "$out" \
                 --num-prompts "$n" --max-concurrency "$c" --ignore-eos --disable-tqdm --save-result \
