@@ -24,6 +24,7 @@ SYSTEMS=${SYSTEMS:-"rivulet rivulet-int4 vllm llamacpp"}
 ROWS=${ROWS-"1 2 3 4"}  # ROWS= (empty): starts only
 PORT=${PORT:-8020}
 POINT_S=${POINT_S:-300}
+VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}  # e.g. float32 on AVX2-only CPUs, where its bf16 path is weak
 VLLM_CLIENT=${VLLM_CLIENT:-1}  # 0: only `rivulet bench serve` (half the time, on slow machines)
 HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
 mkdir -p "$OUT"
@@ -50,7 +51,7 @@ start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
             iomp=$(find "$VLLM/lib" -name 'libiomp5.so' -print -quit)
             VLLM_CPU_OMP_THREADS_BIND=0-$(( $(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_USE_AOT_COMPILE=0 \
             VLLM_CPU_KVCACHE_SPACE=2 LD_PRELOAD="$tc:$iomp" \
-                "$VLLM/bin/vllm" serve "$HF_DIR" --served-model-name default --dtype bfloat16 --port "$PORT" \
+                "$VLLM/bin/vllm" serve "$HF_DIR" --served-model-name default --dtype "$VLLM_DTYPE" --port "$PORT" \
                 --max-num-seqs 64 --max-model-len 2048 --no-enable-log-requests > "$OUT/${sys}_serve.log" 2>&1 & ;;
         # --no-repack: ggml's AMX path for Q4_1 (its only repacked layout for that type) dies with SIGILL
         # (tilezero) in the VMs this runs on, where oneDNN's AMX works; the AVX512-VNNI kernels remain
