@@ -35,6 +35,11 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA only: never replay CUDA graphs for decode steps
     quantization: Quantization | None = None  # CPU weight-only int8/int4 (rivulet/layers/quantization.py)
+    compilation_level: int = 0  # 0: eager; 1: torch.compile of the forward (rivulet/compilation/)
+
+    def __post_init__(self) -> None:
+        if self.compilation_level not in (0, 1):
+            raise RivuletError(f"compilation_level must be 0 (eager) or 1 (torch.compile), not {self.compilation_level!r}")
 
 
 @dataclass(frozen=True)

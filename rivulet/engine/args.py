@@ -41,6 +41,9 @@ class EngineArgs:
         "CPU: int8 (Q8_0-like) or int4 (Q4_1-like) weight copies for small-batch decode", choices=["int8", "int4"],
         flags=["--quantization", "-q"]))
     enforce_eager: bool = field(default=False, metadata=_opt("CUDA: never replay CUDA graphs"))
+    compilation_level: int = field(default=0, metadata=_opt(
+        "0: run the model eagerly; 1: torch.compile it (inductor; compiled code cached in ~/.cache/rivulet)",
+        choices=[0, 1], flags=["--compilation-level", "-O"]))
     tensor_parallel_size: int = field(default=1, metadata=_opt("ranks that split each layer",
                                                                 flags=["--tensor-parallel-size", "-tp"]))
     pipeline_parallel_size: int = field(default=1, metadata=_opt("stages that split the layers",
@@ -96,6 +99,7 @@ class EngineArgs:
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,  # type: ignore[arg-type]
                               max_model_len=self.max_model_len, load_format=self.load_format,  # type: ignore[arg-type]
                               seed=self.seed, enforce_eager=self.enforce_eager,
+                              compilation_level=self.compilation_level,
                               quantization=self.quantization),  # type: ignore[arg-type]
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),

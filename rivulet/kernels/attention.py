@@ -12,34 +12,51 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """The host-side shape of a flat batch: each sequence's first query token and context length.
+
+    Backends build their per-step plans from it; the model never reads it (a compiled graph would
+    specialize on every value)."""
+
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        q = self.query_start_loc
+        return max((b - a for a, b in zip(q, q[1:])), default=0)
+
+
 @dataclass
 class AttentionMetadata:
-    """Per-step description of the flat batch, shared by every attention layer.
-
-    Device tensors are what GPU kernels read; the ``*_cpu`` lists let CPU code loop over
-    sequences without device synchronisation.
-    """
+    """Per-step description of the flat batch, shared by every attention layer: tensors only, so that
+    a compiled model takes it as graph inputs. `plan` holds what the step's attention backend derived
+    from the batch layout once for every layer (e.g. which sequences decode), also as tensors."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, context length including the new tokens
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-    # values a backend derives from the fields above once per step and reuses in every layer
-    backend_cache: dict[Any, Any] = field(default_factory=dict)
+    plan: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]
+
+    def layout(self) -> BatchLayout:
+        """The host layout read back from the tensors (a device sync on GPUs: for tests and fallbacks)."""
+        return BatchLayout(self.query_start_loc.tolist(), self.seq_lens.tolist())
 
 
 def write_kv_cache_ref(
@@ -60,22 +77,33 @@ def paged_attention_ref(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the cached context of each sequence (GQA aware)."""
+    return torch.ops.rivulet.paged_attention_ref(query, kv_cache, meta.block_tables, meta.query_start_loc,
+                                                 meta.seq_lens, scale, sliding_window or 0)
+
+
+@torch.library.custom_op("rivulet::paged_attention_ref", mutates_args=())
+def _paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         window: int) -> torch.Tensor:
     out = torch.empty_like(query)
-    qsl = meta.query_start_loc_cpu
-    for i in range(meta.num_seqs):
-        out[qsl[i]:qsl[i + 1]] = _sequence_attention(query, kv_cache, meta, i, scale, sliding_window)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i in range(len(lens)):
+        out[qsl[i]:qsl[i + 1]] = sequence_attention(query[qsl[i]:qsl[i + 1]], kv_cache, block_tables[i], lens[i],
+                                                    scale, window or None)
     return out
 
 
-def _sequence_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Attention of sequence i's query tokens over its gathered context."""
+@_paged_attention_ref.register_fake
+def _(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, window):
+    return torch.empty_like(query)
+
+
+def sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                       scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One sequence's query tokens [q_len, Hq, D] (the last of its `seq_len`) over its gathered context."""
     _, _, block_size, hk, d = kv_cache.shape
-    q0, q1, seq_len = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], meta.seq_lens_cpu[i]
-    q_len = q1 - q0
-    blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+    q_len = query.shape[0]
+    blocks = block_table[: -(-seq_len // block_size)]
     k = kv_cache[0, blocks].reshape(-1, hk, d)[:seq_len]
     v = kv_cache[1, blocks].reshape(-1, hk, d)[:seq_len]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
@@ -84,7 +112,7 @@ def _sequence_attention(
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     o = F.scaled_dot_product_attention(
-        query[q0:q1].transpose(0, 1), k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype),
+        query.transpose(0, 1), k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype),
         attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)
 
@@ -98,6 +126,29 @@ _LAZY_BACKENDS: dict[str, tuple[str, str]] = {
     "cpu": ("rivulet.kernels.cpu.attention", "paged_attention_cpu"),
     "triton": ("rivulet.kernels.triton.attention", "paged_attention"),
 }
+
+# a backend's planner: the batch layout -> the tensors its forward reads in every layer of the step
+AttentionPlanner = Callable[[BatchLayout], "dict[str, torch.Tensor]"]
+_PLANNERS: dict[str, tuple[str, str]] = {"cpu": ("rivulet.kernels.cpu.attention", "plan_attention_cpu")}
+
+
+def plan_attention(name: str, layout: BatchLayout) -> dict[str, torch.Tensor]:
+    """Backend `name`'s plan of a step (empty for backends that need none)."""
+    if name not in _PLANNERS:
+        return {}
+    module, fn = _PLANNERS[name]
+    return getattr(importlib.import_module(module), fn)(layout)
+
+
+def build_attention_metadata(layout: BatchLayout, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                             backend: str | None = None) -> AttentionMetadata:
+    """A step's metadata with the plan of `backend` (default: the current platform's) built once."""
+    if backend is None:
+        from rivulet.platforms import current_platform
+
+        backend = current_platform().attention_backend()
+    return AttentionMetadata(slot_mapping, block_tables, query_start_loc, seq_lens, plan_attention(backend, layout))
 
 
 def get_attention_backend(name: str) -> AttentionFn:

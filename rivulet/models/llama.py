@@ -7,7 +7,6 @@ metadata; MoE models (moe.py) reuse everything here and swap the MLP.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from typing import Iterable, Iterator
@@ -18,7 +17,7 @@ from torch import nn
 from rivulet.config import RivuletError
 from rivulet.distributed import get_parallel_state, padded_tokens, pipeline_recv, pipeline_send
 from rivulet.distributed import sequence_parallel_all_gather
-from rivulet.kernels import AttentionMetadata
+from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
 from rivulet.layers.activation import SiluAndMul
 from rivulet.layers.attention import Attention
 from rivulet.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -171,7 +170,8 @@ class LlamaModel(nn.Module):
 def micro_batches(meta: AttentionMetadata, m: int) -> list[tuple[int, int, AttentionMetadata]]:
     """Split a step's sequences into at most `m` contiguous groups of about equal token counts:
     (first token, end token, the group's attention metadata) each."""
-    qsl, n = meta.query_start_loc_cpu, meta.num_seqs
+    layout = meta.layout()  # pipeline stages only: a host read of the batch's shape
+    qsl, n = layout.query_start_loc, layout.num_seqs
     m = max(1, min(m, n))
     if m == 1:
         return [(0, qsl[-1], meta)]
@@ -184,13 +184,9 @@ def micro_batches(meta: AttentionMetadata, m: int) -> list[tuple[int, int, Atten
     out = []
     for s0, s1 in zip(bounds, bounds[1:]):
         q0, q1 = qsl[s0], qsl[s1]
-        lens = meta.seq_lens_cpu[s0:s1]
-        sub = dataclasses.replace(
-            meta, slot_mapping=meta.slot_mapping[q0:q1], block_tables=meta.block_tables[s0:s1],
-            query_start_loc=meta.query_start_loc[s0:s1 + 1] - q0, seq_lens=meta.seq_lens[s0:s1],
-            query_start_loc_cpu=[q - q0 for q in qsl[s0:s1 + 1]], seq_lens_cpu=list(lens),
-            max_query_len=max(b - a for a, b in zip(qsl[s0:s1], qsl[s0 + 1:s1 + 1])), max_seq_len=max(lens),
-            backend_cache={})
+        sub = build_attention_metadata(
+            BatchLayout([q - q0 for q in qsl[s0:s1 + 1]], layout.seq_lens[s0:s1]), meta.slot_mapping[q0:q1],
+            meta.block_tables[s0:s1], meta.query_start_loc[s0:s1 + 1] - q0, meta.seq_lens[s0:s1])
         out.append((q0, q1, sub))
     return out
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rivulet.kernels import AttentionMetadata
+from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
 
 
 @dataclass
@@ -24,6 +24,7 @@ class FlatBatch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_seqs]: each sequence's last token in the flat batch
+    layout: BatchLayout  # the host-side shape `meta`'s plan was built from
 
 
 def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> FlatBatch:
@@ -48,14 +49,7 @@ def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.devi
     def t(x: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
 
-    meta = AttentionMetadata(
-        slot_mapping=t(slots, torch.int64),
-        block_tables=t(tables, torch.int32),
-        query_start_loc=t(qsl, torch.int32),
-        seq_lens=t(lens, torch.int32),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-        max_query_len=max(len(c.token_ids) for c in chunks),
-        max_seq_len=max(lens),
-    )
-    return FlatBatch(t(ids, torch.int64), t(pos, torch.int64), meta, t([q - 1 for q in qsl[1:]], torch.int64))
+    layout = BatchLayout(qsl, lens)
+    meta = build_attention_metadata(layout, t(slots, torch.int64), t(tables, torch.int32), t(qsl, torch.int32),
+                                    t(lens, torch.int32))
+    return FlatBatch(t(ids, torch.int64), t(pos, torch.int64), meta, t([q - 1 for q in qsl[1:]], torch.int64), layout)

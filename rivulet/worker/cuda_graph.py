@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from rivulet.kernels import AttentionMetadata
+from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -62,24 +62,17 @@ class DecodeGraphs:
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether this step can replay a graph: decode-only, within the buckets and table width."""
-        return (meta.max_query_len == 1 and self.bucket_for(meta.num_seqs) is not None
+        return (meta.slot_mapping.shape[0] == meta.num_seqs and self.bucket_for(meta.num_seqs) is not None
                 and meta.block_tables.shape[1] <= self.max_blocks_per_seq)
 
     def static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of the static buffers for a batch of `bucket` decode tokens.
 
-        The host lists describe the padded bucket's shape (one token per sequence); the device
-        tensors hold each step's values, so kernels must read those."""
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
-            block_tables=self.block_tables[:bucket],
-            query_start_loc=self.query_start_loc[:bucket + 1],
-            seq_lens=self.seq_lens[:bucket],
-            query_start_loc_cpu=list(range(bucket + 1)),
-            seq_lens_cpu=[1] * bucket,
-            max_query_len=1,
-            max_seq_len=1,
-        )
+        The plan describes the padded bucket's shape (one token per sequence); the tensors hold each
+        step's values, so kernels must read those."""
+        meta = build_attention_metadata(
+            BatchLayout(list(range(bucket + 1)), [1] * bucket), self.slot_mapping[:bucket], self.block_tables[:bucket],
+            self.query_start_loc[:bucket + 1], self.seq_lens[:bucket])
         return self.input_ids[:bucket], self.positions[:bucket], meta
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from rivulet.core.outputs import NewRequestData, SchedulerOutput
-from rivulet.kernels import AttentionMetadata
+from rivulet.kernels.attention import BatchLayout, build_attention_metadata
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker.batch import FlatBatch
 from rivulet.worker.sampling_state import SamplingState
@@ -164,17 +164,12 @@ class InputBatch:
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
 
-        qsl_cpu, lens_cpu = qsl.tolist(), seq_lens.tolist()
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(self.block_table[rows, :width], torch.int32),
-            query_start_loc=tensor(qsl, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
-            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()),
-        )
+        layout = BatchLayout(qsl.tolist(), seq_lens.tolist())
+        meta = build_attention_metadata(layout, tensor(slots, torch.int64),
+                                        tensor(self.block_table[rows, :width], torch.int32),
+                                        tensor(qsl, torch.int32), tensor(seq_lens, torch.int32))
         flat = FlatBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                         tensor(logits_indices, torch.int64))
+                         tensor(logits_indices, torch.int64), layout)
         return StepInputs(flat, req_ids, rows, qsl, starts, sample, num_logits, drafts)
 
     # ---- growth ----

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 
+from rivulet.compilation import CompiledForward
 from rivulet.config import CacheConfig, ModelConfig, RivuletError
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import get_parallel_state
@@ -63,6 +64,11 @@ class ModelRunner:
                                 and self.platform.kernel_backend() == self.platform.attention_backend() == "triton"
                                 and get_parallel_state().world_size == 1)
         self.cuda_graphs: DecodeGraphs | None = None
+        self.forward_fn = self.model  # the compiled forward at --compilation-level 1
+        if model_config.compilation_level > 0:
+            if get_parallel_state().world_size > 1:
+                raise RivuletError("--compilation-level 1 runs on one rank only (for now); use 0 with parallelism")
+            self.forward_fn = CompiledForward(self.model)
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
@@ -121,7 +127,7 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None:
                 return hidden
-        return self.model(batch.input_ids, batch.positions, batch.meta)
+        return self.forward_fn(batch.input_ids, batch.positions, batch.meta)
 
     # ---- one step ----
 

@@ -170,7 +170,7 @@ def test_prefill_attention_matches_reference(dtype: torch.dtype, hq: int, hk: in
     q = randn(len(meta.slot_mapping), hq, d, dtype=dtype, seed=2)
     built = hasattr(ext, "prefill_attention")  # the kernel is AVX-512 code; AVX2 CPUs take the SDPA path
     bf16_ok = dtype == torch.float32 or (built and ext.PREFILL_ATTENTION_BF16)
-    assert prefill_kernel(ext, q, cache) == (built and hq // hk <= 32 and bf16_ok)
+    assert prefill_kernel(q, cache) == (built and hq // hk <= 32 and bf16_ok)
     got = paged_attention_cpu(q, cache, meta, d**-0.5, window)
     want = paged_attention_ref(q.float(), cache.float(), meta, d**-0.5, window)
     tol = 2e-6 if dtype == torch.float32 else 2e-2

@@ -55,7 +55,7 @@ SPECS = [[(0, 7)], [(5, 1)], [(0, 9), (12, 1), (3, 4), (30, 1), (0, 1)], [(8, 1)
 def test_paged_attention_ref_equals_dense_causal_attention(spec, window):
     q, cache, meta, dense = _paged_setup(spec)
     out = paged_attention_ref(q, cache, meta, 0.25, window)
-    qsl = meta.query_start_loc_cpu
+    qsl = meta.query_start_loc.tolist()
     for i, ((k, v), (n_computed, n_new)) in enumerate(zip(dense, spec)):
         total = n_computed + n_new
         qi = q[qsl[i]:qsl[i + 1]]

@@ -38,9 +38,10 @@ def assert_same_flat(batch: InputBatch, mirror: Mirror, sched: dict[str, int]) -
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.positions, want.positions)
     for f in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens"):
         assert torch.equal(getattr(got.meta, f), getattr(want.meta, f)), f
-    assert got.meta.query_start_loc_cpu == want.meta.query_start_loc_cpu
-    assert got.meta.seq_lens_cpu == want.meta.seq_lens_cpu
-    assert (got.meta.max_query_len, got.meta.max_seq_len) == (want.meta.max_query_len, want.meta.max_seq_len)
+    assert got.layout == want.layout
+    assert got.meta.plan.keys() == want.meta.plan.keys()
+    for k in got.meta.plan:  # the attention backend's per-step plan
+        assert torch.equal(got.meta.plan[k], want.meta.plan[k]), k
     samples = [mirror.computed[r] + n >= len(mirror.tokens[r]) for r, n in sched.items()]
     assert step.sample.tolist() == samples
     assert torch.equal(got.logits_indices, want.logits_indices[torch.tensor(samples, dtype=torch.bool)])

@@ -165,6 +165,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   return out.view(sizes);
 }
 
+TORCH_LIBRARY_FRAGMENT(rivulet, m) { m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(rivulet, CPU, m) { m.impl("amx_linear", &amx_linear); }
+
 void register_amx_ops(py::module& m) {
   m.def("amx_linear_available", &amx_linear_available);
   m.def("amx_pack_weight", &amx_pack_weight, py::arg("weight"));

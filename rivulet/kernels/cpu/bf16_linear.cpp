@@ -113,6 +113,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   return y;
 }
 
+TORCH_LIBRARY_FRAGMENT(rivulet, m) { m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(rivulet, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+
 void register_bf16_linear(py::module& m) {
   m.def("bf16_linear_available", &bf16_linear_available);
   m.def("bf16_pack_weight", &bf16_pack_weight);
@@ -232,6 +235,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   });
   return y;
 }
+
+TORCH_LIBRARY_FRAGMENT(rivulet, m) { m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(rivulet, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
 
 void register_bf16_linear(py::module& m) {
   m.def("bf16_linear_available", &bf16_linear_available);

@@ -686,6 +686,39 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// The same kernels as dispatcher ops (torch.ops.rivulet.*): what torch.compile records in its graphs
+// (their fake implementations are in ops.py). Tuples rather than lists: the schemas name two outputs.
+std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm_op(const torch::Tensor& x, const torch::Tensor& residual,
+                                                               const torch::Tensor& weight, double eps) {
+  auto r = fused_add_rms_norm(x, residual, weight, eps);
+  return {r[0], r[1]};
+}
+std::tuple<torch::Tensor, torch::Tensor> apply_rotary_op(const torch::Tensor& positions, const torch::Tensor& q,
+                                                         const torch::Tensor& k, const torch::Tensor& cache,
+                                                         bool interleaved) {
+  auto r = apply_rotary(positions, q, k, cache, interleaved);
+  return {r[0], r[1]};
+}
+
+TORCH_LIBRARY_FRAGMENT(rivulet, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("apply_rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool interleaved) -> (Tensor, Tensor)");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor rows, "
+        "Tensor seqs, Tensor(a!) out, float scale, int sliding_window) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_op);
+  m.impl("apply_rotary", &apply_rotary_op);
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
+
 void register_cpu_ops(py::module& m) {
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);

@@ -19,37 +19,77 @@ _ext = load_cpu_ext()
 AVAILABLE = _ext is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _ext.rms_norm(x, weight, eps)
+def _lib(name: str):
+    """The kernel as a dispatcher op (`torch.ops.rivulet.<name>`, registered by the C++ build): one call
+    in eager mode and one node torch.compile records without tracing into it."""
+    return getattr(torch.ops.rivulet, name).default
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out, res = _ext.fused_add_rms_norm(x, residual, weight, eps)
-    return out, res
+if AVAILABLE:
+    rms_norm = _lib("rms_norm")
+    fused_add_rms_norm = _lib("fused_add_rms_norm")
+    silu_and_mul = _lib("silu_and_mul")
+    apply_rotary = _lib("apply_rotary")
+    write_kv_cache = _lib("write_kv_cache")
+    _int8_linear, _int4_linear = _lib("int8_linear"), _lib("int4_linear")
 
+    # fake implementations: output shapes and dtypes for torch.compile's tracing, no arithmetic
+    @torch.library.register_fake("rivulet::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return x.new_empty(x.shape)
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _ext.silu_and_mul(x)
+    @torch.library.register_fake("rivulet::fused_add_rms_norm")
+    def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        return x.new_empty(x.shape), x.new_empty(x.shape)
 
+    @torch.library.register_fake("rivulet::silu_and_mul")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
-def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    qo, ko = _ext.apply_rotary(positions, q, k, cos_sin_cache, interleaved)
-    return qo, ko
+    @torch.library.register_fake("rivulet::apply_rotary")
+    def _(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
 
+    @torch.library.register_fake("rivulet::write_kv_cache")
+    def _(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        return None
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _ext.write_kv_cache(key, value, kv_cache, slot_mapping)
+    @torch.library.register_fake("rivulet::decode_attention")
+    def _(query, kv_cache, block_tables, seq_lens, rows, seqs, out, scale: float, sliding_window: int) -> None:
+        return None
+
+    if hasattr(_ext, "prefill_attention"):
+        @torch.library.register_fake("rivulet::prefill_attention")
+        def _(query, kv_cache, block_tables, query_start_loc, seq_lens, seqs, out, scale: float, window: int) -> None:
+            return None
+
+    def _linear_fake(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("rivulet::int8_linear")
+    def _(x, w, w_scale, bias=None):
+        return _linear_fake(x, w.shape[0])
+
+    @torch.library.register_fake("rivulet::int4_linear")
+    def _(x, w, scale, minv, bias=None):
+        return _linear_fake(x, w.shape[0])
+
+    if hasattr(_ext, "bf16_linear"):
+        @torch.library.register_fake("rivulet::bf16_linear")
+        def _(x, packed, bias=None):
+            return _linear_fake(x, packed.shape[0] * 16)
+
+    if hasattr(_ext, "amx_linear"):
+        @torch.library.register_fake("rivulet::amx_linear")
+        def _(x, packed, bias=None):
+            return _linear_fake(x, packed.shape[0] * 16)
 
 
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     k = x.shape[-1]
-    return _ext.int8_linear(x.reshape(-1, k), weight, scale, bias).reshape(*x.shape[:-1], -1)
+    return _int8_linear(x.reshape(-1, k), weight, scale, bias).reshape(*x.shape[:-1], -1)
 
 
 def quantize_int4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,7 +101,7 @@ def int4_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     k = x.shape[-1]
-    return _ext.int4_linear(x.reshape(-1, k), weight, scale, minv, bias).reshape(*x.shape[:-1], -1)
+    return _int4_linear(x.reshape(-1, k), weight, scale, minv, bias).reshape(*x.shape[:-1], -1)
 
 
 _GGUF_KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
@@ -110,9 +150,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if packed.dim() == 4:
-        return _ext.amx_linear(x, packed, bias)
+        return torch.ops.rivulet.amx_linear.default(x, packed, bias)
     if packed.dim() == 3:
-        return _ext.bf16_linear(x, packed, bias)
+        return torch.ops.rivulet.bf16_linear.default(x, packed, bias)
     if not packed.is_mkldnn:
         return F.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

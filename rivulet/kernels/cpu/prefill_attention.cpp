@@ -308,6 +308,12 @@ void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tenso
   }
 }
 
+TORCH_LIBRARY_FRAGMENT(rivulet, m) {
+  m.def("prefill_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor seq_lens, Tensor seqs, Tensor(a!) out, float scale, int window) -> ()");
+}
+TORCH_LIBRARY_IMPL(rivulet, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+
 void register_prefill_attention(py::module& m) {
   m.def("prefill_attention", &prefill_attention);
 #ifdef __AVX512BF16__

@@ -337,6 +337,15 @@ void register_amx_ops(py::module& m);
 void register_prefill_attention(py::module& m);
 void register_bf16_linear(py::module& m);
 
+TORCH_LIBRARY_FRAGMENT(rivulet, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor minv, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_cpu_ops(m);
   register_gguf_ops(m);

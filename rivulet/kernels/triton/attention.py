@@ -147,8 +147,8 @@ def _merge_segments_kernel(
 def _num_segments(meta: AttentionMetadata, num_kv_heads: int) -> int:
     """Split the keys only for decode-only steps that give the GPU too few programs otherwise.
 
-    Depends on shapes and `max_query_len` only, so a CUDA-graph bucket always gets the same answer."""
-    if meta.max_query_len != 1:
+    Depends on shapes only, so a CUDA-graph bucket always gets the same answer."""
+    if meta.slot_mapping.shape[0] != meta.seq_lens.shape[0]:  # not one query token per sequence
         return 1
     programs = meta.seq_lens.shape[0] * num_kv_heads
     return 16 if programs < 128 else 1
@@ -179,7 +179,7 @@ def paged_attention(
     num_seqs = meta.seq_lens.shape[0]
     if t == 0:
         return out
-    decode_only = meta.max_query_len == 1
+    decode_only = t == num_seqs  # every sequence has at least one query token
     fp32 = query.dtype == torch.float32
     if decode_only:
         block_m, tile_n, warps = max(16, triton.next_power_of_2(group)), 32, 4

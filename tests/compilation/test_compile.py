@@ -1,0 +1,79 @@
+"""`--compilation-level 1`: the model compiled by torch.compile gives the eager model's greedy tokens
+(float32) on a mixed workload (prefill chunks, batched decodes, one-token steps); every C++ kernel is a
+dispatcher op whose fake implementation agrees with the kernel (torch.library.opcheck)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rivulet import LLM, SamplingParams
+from rivulet.config import RivuletError
+from rivulet.kernels.cpu import load_cpu_ext
+
+ext = load_cpu_ext()
+needs_ext = pytest.mark.skipif(ext is None, reason="no C++ compiler: the kernels are PyTorch references")
+
+
+def _workload(vocab: int, n: int, seed: int = 0) -> tuple[list[dict], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 16), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_compiled_model_gives_the_eager_tokens(tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, block_size=4)
+    prompts, params = _workload(256, 8)
+    eager = LLM(str(path), **kw)
+    want = _tokens(eager, prompts, params)
+    one = _tokens(eager, prompts[:1], params[:1])
+    eager.shutdown()
+    llm = LLM(str(path), compilation_level=1, **kw)
+    compiled = llm.engine.core.executor.runner.forward_fn
+    assert _tokens(llm, prompts, params) == want
+    assert _tokens(llm, prompts[:1], params[:1]) == one  # a lone request: one-token steps
+    assert compiled.compile_s > 0 and len(compiled._seen) >= 2  # it compiled, more than one kind of step
+    llm.shutdown()
+
+
+def test_unknown_compilation_level_is_a_clear_error():
+    with pytest.raises(RivuletError, match="compilation_level"):
+        LLM("default", compilation_level=3)
+
+
+def _rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_ops_have_faithful_fake_implementations(dtype):
+    import rivulet.kernels.cpu.ops  # noqa: F401 - registers the fake implementations
+
+    ops = torch.ops.rivulet
+    t, hq, hk, d, bs, nb = 5, 4, 2, 16, 4, 6
+    x, w = _rand(t, 32, dtype=dtype), _rand(32, dtype=dtype)
+    cache = _rand(2, nb, bs, hk, d, dtype=dtype)
+    q, k = _rand(t, hq, d, dtype=dtype), _rand(t, hk, d, dtype=dtype)
+    cases = [
+        (ops.rms_norm.default, (x, w, 1e-6)),
+        (ops.fused_add_rms_norm.default, (x, x.clone(), w, 1e-6)),
+        (ops.silu_and_mul.default, (x,)),
+        (ops.apply_rotary.default, (torch.arange(t), q, k, _rand(64, d), False)),
+        (ops.write_kv_cache.default, (k, k.clone(), cache, torch.tensor([0, 5, 9, 2, 23]))),
+        (ops.decode_attention.default, (q, cache, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                                        torch.tensor([5, 8], dtype=torch.int32), torch.tensor([0, 4]),
+                                        torch.tensor([0, 1]), torch.zeros_like(q), 0.25, 0)),
+    ]
+    if dtype == torch.bfloat16 and hasattr(ext, "bf16_linear") and ext.bf16_linear_available():
+        cases.append((ops.bf16_linear.default, (x, ext.bf16_pack_weight(_rand(48, 32, dtype=dtype)), None)))
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
