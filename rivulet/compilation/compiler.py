@@ -52,18 +52,25 @@ def _configure_caches() -> None:
 
 class CompiledForward:
     """`model(input_ids, positions, meta)` through `torch.compile`: one graph for every token count
-    (dynamic shapes), compiled at the first call of each kind of step; `compile_s` adds up the time
-    those first calls took."""
+    (dynamic shapes), compiled at the first call of each kind of step (one token, or more: Dynamo
+    specializes a size of 1); `compile_s` adds up the time those first calls took."""
 
     def __init__(self, model: nn.Module) -> None:
         _configure_caches()
         self.model = model
         self._fn = torch.compile(model, dynamic=True, fullgraph=True)
         self.compile_s = 0.0
-        self._seen: set[tuple[bool, ...]] = set()
+        self._seen: set[bool] = set()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        kind = _step_kind(input_ids, meta)
+        # the metadata only reaches opaque kernels: its sizes need no guards, so they are unbacked, which
+        # keeps Dynamo from specializing (and recompiling mid-serving) on a size of 0 or 1, e.g. a step
+        # without decodes or a block table one block wide
+        for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, *meta.plan.values()):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
+        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+        kind = input_ids.shape[0] > 1
         if kind in self._seen:
             return self._fn(input_ids, positions, meta)
         start = time.perf_counter()
@@ -75,11 +82,5 @@ class CompiledForward:
         return out
 
 
-def _step_kind(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[bool, ...]:
-    """What Dynamo specializes on: sizes of 0 or 1 of the token count and of each plan tensor."""
-    sizes = [input_ids.shape[0], meta.num_seqs] + [t.shape[0] for t in meta.plan.values()]
-    return tuple(s > 1 for s in sizes) + tuple(s == 0 for s in sizes)
-
-
-def _describe(kind: tuple[bool, ...]) -> str:
-    return "one-token" if not kind[0] else "multi-token"
+def _describe(kind: bool) -> str:
+    return "multi-token" if kind else "one-token"
