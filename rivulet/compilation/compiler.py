@@ -1,4 +1,4 @@
-"""`torch.compile` of a model's forward over one flat batch.
+"""`torch.compile` of a model's forward over one flat batch, saved to disk and loaded at the next start.
 
 The model is plain PyTorch around kernels that are dispatcher ops with fake implementations
 (`torch.ops.rivulet.*`, `rivulet/kernels/cpu/ops.py`), and its attention metadata is tensors only
@@ -7,18 +7,33 @@ forward as one graph for any token count: each kernel is one opaque node, attent
 inductor compiles the PyTorch between them (views, splits, embedding, the glue ops of references).
 What it removes is the interpreter: module calls, argument checks, per-op dispatch of the glue.
 
-Levels (`--compilation-level`): 0 runs the model eagerly; 1 compiles it. Inductor's and
-AOTAutograd's caches live under ~/.cache/rivulet/compile (or $RIVULET_CACHE_DIR/compile), so a
-second start reuses the compiled code; Dynamo still traces the model at every start.
+Two graphs per model: steps of one token, and steps of more (any count: the token dimension is
+dynamic, the weights static, the metadata sizes unbacked). Each is compiled ahead of time
+(`torch.compile(...).aot_compile`) at the first step of its kind and saved, Dynamo's guards and
+inductor's code together, under ~/.cache/rivulet/compile/aot (or $RIVULET_CACHE_DIR/compile/aot),
+named by a fingerprint of everything the trace depends on (torch, the Rivulet sources, the CPU, the
+model's structure, weight shapes and dtypes). A start that finds the files loads them in a background
+thread while the engine finishes starting (seconds, instead of tens of seconds of tracing and
+compiling). Whatever fails on that path (a graph that will not
+serialize, a step the saved guards reject) is logged and falls back to the in-process `torch.compile`,
+which gives the same results.
+
+Levels (`--compilation-level`): 0 runs the model eagerly; 1 compiles it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +45,7 @@ logger = logging.getLogger(__name__)
 COMPILATION_LEVELS = {0: "eager", 1: "torch.compile (inductor), kernels and attention as opaque ops"}
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+_GUARD_FAILED = "GuardManager check failed"  # torch's message when a saved graph's guards reject a call
 
 
 def compile_cache_dir() -> Path:
@@ -38,49 +54,204 @@ def compile_cache_dir() -> Path:
 
 
 def _configure_caches() -> None:
-    """Point inductor's persistent caches (generated code, FX graphs, AOTAutograd) at our cache folder."""
+    """Point inductor's persistent caches (generated code, FX graphs, AOTAutograd; all on by default) at
+    our cache folder. Only an environment variable: importing inductor costs a second, off the start."""
     root = compile_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+
+
+def _trust_reported_isa() -> None:
+    """Inductor checks each vector ISA the CPU reports by building and loading a test library (about a
+    second, at every start). Where no AMX is reported, the flags are trustworthy on the machines we run
+    on (AMX may be reported and unusable in VMs: then the checks stay)."""
     import torch._inductor.config as inductor_config
 
-    inductor_config.fx_graph_cache = True
-    import torch._functorch.config as functorch_config
+    if inductor_config.cpp.vec_isa_ok is None and "amx" not in _cpu_flags():
+        inductor_config.cpp.vec_isa_ok = True
 
-    functorch_config.enable_autograd_cache = True
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> str:
+    try:
+        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@lru_cache(maxsize=1)
+def _environment_digest() -> str:
+    """torch, Python, the CPU's flags and every Rivulet source file: what a saved graph was made with."""
+    h = hashlib.sha256(f"{torch.__version__}|{sys.version}".encode())
+    h.update(_cpu_flags().encode())
+    package = Path(__file__).resolve().parents[1]
+    for f in sorted(package.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h"):
+            h.update(str(f.relative_to(package)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _describe_value(v: Any) -> str | None:
+    """What of a module attribute the trace may depend on; None for what it cannot (dicts, objects)."""
+    if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device)):
+        return repr(v)
+    if isinstance(v, torch.Tensor):
+        return f"tensor{tuple(v.shape)}{tuple(v.stride())}{v.dtype}{v.device}"
+    if isinstance(v, (tuple, list)):
+        parts = [_describe_value(x) for x in v]
+        return None if any(p is None for p in parts) else f"({','.join(parts)})"  # type: ignore[arg-type]
+    if callable(v):
+        return str(v) if isinstance(v, torch._ops.OpOverload) else getattr(v, "__qualname__", type(v).__qualname__)
+    return None
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A digest of the model as a trace sees it: module types, their plain attributes (sizes, eps, flags,
+    the kernel each one calls), every weight's shape, strides and dtype, and the environment."""
+    h = hashlib.sha256(_environment_digest().encode())
+    for name, mod in model.named_modules():
+        h.update(f"{name}:{type(mod).__module__}.{type(mod).__qualname__}".encode())
+        for key, value in vars(mod).items():
+            described = _describe_value(value)
+            if described is not None:
+                h.update(f"{key}={described}".encode())
+        for key, t in (*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)):
+            h.update(f"{key}={_describe_value(t)}".encode())
+    return h.hexdigest()[:24]
 
 
 class CompiledForward:
-    """`model(input_ids, positions, meta)` through `torch.compile`: one graph for every token count
-    (dynamic shapes), compiled at the first call of each kind of step (one token, or more: Dynamo
-    specializes a size of 1); `compile_s` adds up the time those first calls took."""
+    """`model(input_ids, positions, meta)` through a compiled graph for each kind of step (one token, or
+    more). Graphs a start before saved are loaded in a background thread from construction on (the
+    engine reports ready meanwhile; a step that needs a graph still loading waits for it); a graph
+    not on disk is compiled at the first step of its kind and saved. `compile_s` adds up load and
+    compile time, `loaded` and `compiled` name the kinds that came from disk or were compiled,
+    `fallbacks` counts steps that went to the in-process `torch.compile` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, cache: bool = True) -> None:
         _configure_caches()
         self.model = model
-        self._fn = torch.compile(model, dynamic=True, fullgraph=True)
+        self.cache_dir = compile_cache_dir() / "aot" if cache else None
+        self.fingerprint = model_fingerprint(model)
         self.compile_s = 0.0
-        self._seen: set[bool] = set()
+        self.loaded: set[str] = set()
+        self.compiled: set[str] = set()
+        self.fallbacks = 0
+        self._graphs: dict[bool, Any] = {}  # kind -> AOTCompiledFunction, called as fn(model, ids, positions, meta)
+        self._jit: ModelForward | None = None  # torch.compile(model) where the saved graph cannot serve
+        self._loading: dict[bool, Future] = {}
+        saved = [multi for multi in (True, False) if (p := self._path(multi)) is not None and p.is_file()]
+        if saved:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-compile-load")
+            self._loading = {multi: pool.submit(self._load, multi) for multi in saved}
+            pool.shutdown(wait=False)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # the metadata only reaches opaque kernels: its sizes need no guards, so they are unbacked, which
-        # keeps Dynamo from specializing (and recompiling mid-serving) on a size of 0 or 1, e.g. a step
-        # without decodes or a block table one block wide
-        for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, *meta.plan.values()):
-            torch._dynamo.decorators.mark_unbacked(t, 0)
-        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
-        torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
-        kind = input_ids.shape[0] > 1
-        if kind in self._seen:
-            return self._fn(input_ids, positions, meta)
-        start = time.perf_counter()
-        out = self._fn(input_ids, positions, meta)
+        multi = input_ids.shape[0] > 1
+        if multi not in self._graphs:
+            loading = self._loading.pop(multi, None)
+            graph = loading.result() if loading is not None else None
+            if graph is None:
+                with _marked(multi, input_ids, positions, meta):
+                    graph = self._compile(multi, input_ids, positions, meta)
+            self._graphs[multi] = graph
+        graph = self._graphs[multi]
+        if graph is not None:
+            try:
+                return graph(self.model, input_ids, positions, meta)
+            except RuntimeError as e:
+                if not str(e).startswith(_GUARD_FAILED):
+                    raise
+                logger.warning("the saved %s graph does not fit this step (%s); using torch.compile",
+                               _describe(multi), " ".join(str(e).split()))
+                self._graphs[multi] = None
+        self.fallbacks += 1
+        with _marked(multi, input_ids, positions, meta):
+            return self._jit_forward(input_ids, positions, meta)
+
+    def _path(self, multi: bool) -> Path | None:
+        return None if self.cache_dir is None else self.cache_dir / f"{self.fingerprint}-{_describe(multi)}.bin"
+
+    def _load(self, multi: bool) -> Any:
+        kind, path, start = _describe(multi), self._path(multi), time.perf_counter()
+        assert path is not None
+        _trust_reported_isa()
+        try:
+            # in inference mode, as steps run: the saved guards rebuild their example tensors as this
+            # mode makes them (else they expect a normal tensor's dispatch keys and reject every step)
+            with torch.inference_mode():
+                graph = torch.compiler.load_compiled_function(io.BytesIO(path.read_bytes()))
+        except Exception as e:  # noqa: BLE001 - a stale or truncated file: compile again
+            logger.warning("could not load the saved %s graph %s (%s: %s); compiling it", kind, path,
+                           type(e).__name__, e)
+            return None
         took = time.perf_counter() - start
-        self._seen.add(kind)
         self.compile_s += took
-        logger.info("compiled the model for %s steps in %.1f s", _describe(kind), took)
-        return out
+        self.loaded.add(kind)
+        logger.info("loaded the compiled model for %s steps in %.1f s (%s)", kind, took, path)
+        return graph
+
+    def _compile(self, multi: bool, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> Any:
+        kind, path, start = _describe(multi), self._path(multi), time.perf_counter()
+        _trust_reported_isa()
+        try:
+            # float attributes (eps) as constants: dynamo's restart to specialize them has no place in AOT
+            with torch._dynamo.config.patch(specialize_float=True):
+                fn = torch.compile(type(self.model).forward, fullgraph=True)
+                graph = fn.aot_compile(((self.model, input_ids, positions, meta), {}))
+        except Exception as e:  # noqa: BLE001 - the in-process compile still works
+            logger.warning("ahead-of-time compile of the %s graph failed (%s: %s); using torch.compile", kind,
+                           type(e).__name__, e)
+            return None
+        took = time.perf_counter() - start
+        self.compile_s += took
+        self.compiled.add(kind)
+        logger.info("compiled the model for %s steps in %.1f s", kind, took)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                graph.save_compiled_function(str(path))
+            except Exception as e:  # noqa: BLE001 - only the next start's time is lost
+                logger.warning("could not save the compiled %s graph (%s: %s)", kind, type(e).__name__, e)
+        return graph
+
+    def _jit_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self._jit is None:
+            self._jit = torch.compile(self.model, fullgraph=True)
+        return self._jit(input_ids, positions, meta)
 
 
-def _describe(kind: bool) -> str:
-    return "multi-token" if kind else "one-token"
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_unbacked_indices", "_dynamo_shape_ids", "_dynamo_unbacked_bounds",
+          "_has_dynamo_dim_marking")
+
+
+@contextmanager
+def _marked(multi: bool, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Iterator[None]:
+    """Dynamo's size annotations on a step's inputs while it traces them, taken off afterwards: a saved
+    graph guards that a tensor it saw unmarked comes unmarked, and some metadata tensors live on.
+
+    The token dimension is dynamic for steps of more than one token (a count of 1 is the other kind);
+    the metadata only reaches opaque kernels, so its sizes are unbacked: no guards, and no
+    specialization on a size of 0 or 1 (a step without decodes, a block table one block wide)."""
+    marked = [meta.slot_mapping, meta.query_start_loc, meta.seq_lens, *meta.plan.values(), meta.block_tables]
+    for t in marked[:-1]:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
+    torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+    if multi:
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        marked += [input_ids, positions]
+    try:
+        yield
+    finally:
+        for t in marked:
+            for attr in _MARKS:
+                if hasattr(t, attr):
+                    delattr(t, attr)
+
+
+def _describe(multi: bool) -> str:
+    return "multi-token" if multi else "one-token"

@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
         if n < ps.pp_size:
             raise RivuletError(f"pipeline_parallel_size {ps.pp_size} exceeds the model's {n} layers")
         self.start_layer, self.end_layer = stage_layers(n, ps.pp_rank, ps.pp_size)
-        self.hidden_size, self.dtype = cfg.hidden_size, torch.get_default_dtype()
+        self.hidden_size = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if ps.is_first_stage else None
         d = cfg.head_dim
         rotary = RotaryEmbedding(d, int(d * cfg.partial_rotary_factor), cfg.max_position_embeddings, cfg.rope_theta,
@@ -121,6 +121,12 @@ class LlamaModel(nn.Module):
                                     if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
         self.stage_busy_s = 0.0  # pipeline: this stage's compute time, waiting for the previous stage excluded
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (what stages send each other): a norm weight's, which is never quantized.
+        Not kept as an attribute: torch.compile's saved guards lose a module's bare dtype attributes."""
+        return self.layers[self.start_layer].input_layernorm.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states [T, hidden] on the last stage; None on the others (sent on instead)."""

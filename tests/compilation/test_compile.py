@@ -28,7 +28,8 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_compiled_model_gives_the_eager_tokens(tiny_model_dir):
+def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
     path, _ = tiny_model_dir("llama")
     kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, block_size=4)
     prompts, params = _workload(256, 8)
@@ -36,11 +37,34 @@ def test_compiled_model_gives_the_eager_tokens(tiny_model_dir):
     want = _tokens(eager, prompts, params)
     one = _tokens(eager, prompts[:1], params[:1])
     eager.shutdown()
-    llm = LLM(str(path), compilation_level=1, **kw)
-    compiled = llm.engine.core.executor.runner.forward_fn
-    assert _tokens(llm, prompts, params) == want
-    assert _tokens(llm, prompts[:1], params[:1]) == one  # a lone request: one-token steps
-    assert compiled.compile_s > 0 and len(compiled._seen) >= 2  # it compiled, more than one kind of step
+    kinds = {"one-token", "multi-token"}
+    for start in ("compiles and saves", "loads"):
+        llm = LLM(str(path), compilation_level=1, **kw)
+        compiled = llm.engine.core.executor.runner.forward_fn
+        assert _tokens(llm, prompts, params) == want, start
+        assert _tokens(llm, prompts[:1], params[:1]) == one, start  # a lone request: one-token steps
+        # every step ran a graph compiled ahead of time (none fell back to the in-process torch.compile),
+        # compiled by the first engine, read from disk by the second
+        assert compiled.fallbacks == 0, start
+        assert (compiled.compiled, compiled.loaded) == ((kinds, set()) if start == "compiles and saves" else (set(), kinds))
+        llm.shutdown()
+    assert len(list((tmp_path / "compile" / "aot").glob(f"{compiled.fingerprint}-*.bin"))) == 2
+
+
+def test_fingerprint_follows_what_the_trace_depends_on(tiny_model_dir):
+    from rivulet.compilation.compiler import model_fingerprint
+
+    path, _ = tiny_model_dir("llama")
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    model = llm.engine.core.executor.runner.model
+    before = model_fingerprint(model)
+    assert model_fingerprint(model) == before
+    norm = model.model.norm
+    norm.eps *= 2  # a constant the trace bakes in
+    assert model_fingerprint(model) != before
+    norm.eps /= 2
+    norm.weight.data = norm.weight.data.to(torch.bfloat16)  # a weight's dtype
+    assert model_fingerprint(model) != before
     llm.shutdown()
 
 
