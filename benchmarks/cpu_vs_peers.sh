@@ -30,6 +30,10 @@ HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
 mkdir -p "$OUT"
 log() { echo "== $(date +%H:%M:%S) $*" >&2; }
 GGUF=$(.venv/bin/python -c 'from rivulet.models.loader.source import resolve_model; print(resolve_model("default").gguf_path)')
+# the HF copy of the default model: what vLLM serves, and the tokenizer vLLM's client reads for every system
+if [[ ! -d $HF_DIR && ( " $SYSTEMS " == *" vllm "* || ( $VLLM_CLIENT == 1 && -x $VLLM/bin/vllm ) ) ]]; then
+    .venv/bin/python benchmarks/peers/make_hf_model.py "$HF_DIR" > /dev/null
+fi
 row_args() {  # num_prompts input output concurrency
     case $1 in
         1) echo "8 128 128 1" ;; 2) echo "32 128 128 16" ;; 3) echo "128 128 128 64" ;; 4) echo "16 1024 16 8" ;;
@@ -38,7 +42,6 @@ row_args() {  # num_prompts input output concurrency
 
 start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
     local sys=$1 t0
-    if [[ $sys == vllm && ! -d $HF_DIR ]]; then .venv/bin/python benchmarks/peers/make_hf_model.py "$HF_DIR" > /dev/null; fi
     t0=$(date +%s.%N)
     case $sys in
         rivulet) .venv/bin/rivulet serve --dtype bfloat16 --port "$PORT" --max-num-seqs 64 --max-model-len 2048 \
