@@ -51,6 +51,34 @@ def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeyp
     assert len(list((tmp_path / "compile" / "aot").glob(f"{compiled.fingerprint}-*.bin"))) == 2
 
 
+def test_a_saved_graph_reads_the_weights_of_the_model_that_loads_it(tiny_model_dir, tmp_path, monkeypatch):
+    """Weights are inputs of the saved graph, not constants: a model with the same shapes and other
+    values (same fingerprint) loads the file and computes with its own weights."""
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_model_dir("llama")
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, block_size=4)
+    prompts, params = _workload(256, 4, seed=1)
+
+    def run(level: int, scale: float) -> tuple[list[list[int]], object]:
+        llm = LLM(str(path), compilation_level=level, **kw)
+        runner = llm.engine.core.executor.runner
+        with torch.no_grad():
+            for layer in runner.model.model.layers:
+                layer.mlp.down_proj.weight.mul_(scale)  # other values, same shape and dtype
+        tokens = _tokens(llm, prompts, params)
+        llm.shutdown()
+        return tokens, runner.forward_fn
+
+    first, compiled = run(1, 1.0)
+    assert compiled.compiled == {"one-token", "multi-token"}
+    scaled_eager, _ = run(0, 4.0)
+    scaled, loaded = run(1, 4.0)
+    assert loaded.loaded == {"one-token", "multi-token"} and loaded.fallbacks == 0
+    assert loaded.fingerprint == compiled.fingerprint
+    assert scaled == scaled_eager
+    assert scaled != first  # the scaling matters, so the equality above says something
+
+
 def test_fingerprint_follows_what_the_trace_depends_on(tiny_model_dir):
     from rivulet.compilation.compiler import model_fingerprint
 
