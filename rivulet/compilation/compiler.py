@@ -153,7 +153,7 @@ class CompiledForward:
             loading = self._loading.pop(multi, None)
             graph = loading.result() if loading is not None else None
             if graph is None:
-                with _marked(multi, input_ids, positions, meta):
+                with _marked(multi, input_ids, positions, meta, self._kv_caches()):
                     graph = self._compile(multi, input_ids, positions, meta)
             self._graphs[multi] = graph
         graph = self._graphs[multi]
@@ -167,8 +167,11 @@ class CompiledForward:
                                _describe(multi), " ".join(str(e).split()))
                 self._graphs[multi] = None
         self.fallbacks += 1
-        with _marked(multi, input_ids, positions, meta):
+        with _marked(multi, input_ids, positions, meta, self._kv_caches()):
             return self._jit_forward(input_ids, positions, meta)
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        return [c for m in self.model.modules() if isinstance(c := getattr(m, "kv_cache", None), torch.Tensor)]
 
     def _path(self, multi: bool) -> Path | None:
         return None if self.cache_dir is None else self.cache_dir / f"{self.fingerprint}-{_describe(multi)}.bin"
@@ -228,18 +231,22 @@ _MARKS = ("_dynamo_dynamic_indices", "_dynamo_unbacked_indices", "_dynamo_shape_
 
 
 @contextmanager
-def _marked(multi: bool, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Iterator[None]:
+def _marked(multi: bool, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[torch.Tensor]) -> Iterator[None]:
     """Dynamo's size annotations on a step's inputs while it traces them, taken off afterwards: a saved
     graph guards that a tensor it saw unmarked comes unmarked, and some metadata tensors live on.
 
     The token dimension is dynamic for steps of more than one token (a count of 1 is the other kind);
-    the metadata only reaches opaque kernels, so its sizes are unbacked: no guards, and no
-    specialization on a size of 0 or 1 (a step without decodes, a block table one block wide)."""
+    the metadata and the KV caches only reach opaque kernels, so their sizes are unbacked: no guards,
+    and no specialization on a size of 0 or 1 (a step without decodes, a block table one block wide)."""
     marked = [meta.slot_mapping, meta.query_start_loc, meta.seq_lens, *meta.plan.values(), meta.block_tables]
     for t in marked[:-1]:
         torch._dynamo.decorators.mark_unbacked(t, 0)
     torch._dynamo.decorators.mark_unbacked(meta.block_tables, 0)
     torch._dynamo.decorators.mark_unbacked(meta.block_tables, 1)
+    for cache in kv_caches:  # [2, num_blocks, ...]: a saved graph serves any KV cache size
+        torch._dynamo.decorators.mark_unbacked(cache, 1)
+        marked.append(cache)
     if multi:
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)

@@ -38,8 +38,8 @@ def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeyp
     one = _tokens(eager, prompts[:1], params[:1])
     eager.shutdown()
     kinds = {"one-token", "multi-token"}
-    for start in ("compiles and saves", "loads"):
-        llm = LLM(str(path), compilation_level=1, **kw)
+    for start, num_kv_blocks in (("compiles and saves", None), ("loads", 300)):  # a KV cache of another size
+        llm = LLM(str(path), compilation_level=1, num_kv_blocks=num_kv_blocks, **kw)
         compiled = llm.engine.core.executor.runner.forward_fn
         assert _tokens(llm, prompts, params) == want, start
         assert _tokens(llm, prompts[:1], params[:1]) == one, start  # a lone request: one-token steps
