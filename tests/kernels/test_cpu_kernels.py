@@ -147,16 +147,8 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (32, 1, 128), (4, 2, 80), (6, 3, 24), (40, 1, 16)])
-@pytest.mark.parametrize("window", [None, 5, 40])
-def test_prefill_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None) -> None:
-    """Chunks from position 0 and after a cached prefix, k-token steps, across the kernel's tiles (32 rows) and
-    key blocks (32 keys); 40 query heads per kv head is past the kernel (the SDPA path runs)."""
-    from rivulet.kernels.cpu.attention import prefill_kernel
-
-    bs = 16
-    spec = [(0, 70), (33, 45), (0, 1), (100, 3), (5, 2), (0, 33), (47, 1)]  # (cached, new)
+def _paged_batch(spec: list[tuple[int, int]], bs: int, hq: int, hk: int, d: int, dtype: torch.dtype):
+    """A flat batch of (cached, new) chunks over scattered pages, a random cache and queries."""
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-(c + n) // bs) for c, n in spec) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -168,13 +160,58 @@ def test_prefill_attention_matches_reference(dtype: torch.dtype, hq: int, hk: in
     meta = build_flat_batch(chunks, bs, torch.device("cpu")).meta
     cache = randn(2, num_blocks, bs, hk, d, dtype=dtype, seed=1)
     q = randn(len(meta.slot_mapping), hq, d, dtype=dtype, seed=2)
+    return meta, cache, q
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "avx512"])
+def amx(request: pytest.FixtureRequest):
+    """bf16 prefill attention on AMX tiles (where this machine grants them) and on AVX-512 dot products."""
+    if request.param and not (hasattr(ext, "prefill_attention_amx") and ext.amx_linear_available()):
+        pytest.skip("no usable AMX on this CPU (the AVX-512 variant runs)")
+    if not hasattr(ext, "prefill_attention_amx"):  # AVX2 build: the SDPA path
+        yield False
+        return
+    before = ext.prefill_attention_amx(request.param)
+    yield request.param
+    ext.prefill_attention_amx(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (32, 1, 128), (4, 2, 80), (6, 3, 24), (40, 1, 16)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_prefill_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None,
+                                             amx: bool) -> None:
+    """Chunks from position 0 and after a cached prefix, k-token steps, across the kernels' tiles (32 rows, or
+    16 tokens on AMX) and key blocks (32 keys); 40 query heads per kv head is past the AVX-512 kernel (the
+    SDPA path runs)."""
+    from rivulet.kernels.cpu.attention import prefill_kernel
+
+    bs = 16
+    meta, cache, q = _paged_batch([(0, 70), (33, 45), (0, 1), (100, 3), (5, 2), (0, 33), (47, 1)], bs, hq, hk, d, dtype)
     built = hasattr(ext, "prefill_attention")  # the kernel is AVX-512 code; AVX2 CPUs take the SDPA path
     bf16_ok = dtype == torch.float32 or (built and ext.PREFILL_ATTENTION_BF16)
     assert prefill_kernel(q, cache) == (built and hq // hk <= 32 and bf16_ok)
+    if built:
+        assert ext.prefill_attention_amx_used(d, bs) == (amx and d % 32 == 0)
     got = paged_attention_cpu(q, cache, meta, d**-0.5, window)
     want = paged_attention_ref(q.float(), cache.float(), meta, d**-0.5, window)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("hq,hk,d,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 48), (9, 3, 64, 8)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_long_bf16_prefill_attention_matches_reference(hq: int, hk: int, d: int, bs: int, window: int | None,
+                                                       amx: bool) -> None:
+    """bf16 prompts of hundreds of tokens (many key blocks, partial last tiles, pages of 8-48 tokens), after
+    a cached prefix or from 0: the shapes of a real prefill step. Pages of 8 keys are not for AMX (16 keys
+    are read as one tile from one page)."""
+    meta, cache, q = _paged_batch([(0, 300), (75, 190), (0, 17), (129, 2)], bs, hq, hk, d, torch.bfloat16)
+    if hasattr(ext, "prefill_attention_amx_used"):
+        assert ext.prefill_attention_amx_used(d, bs) == (amx and bs % 16 == 0)
+    got = paged_attention_cpu(q, cache, meta, d**-0.5, window)
+    want = paged_attention_ref(q.float(), cache.float(), meta, d**-0.5, window)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,7 +19,9 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp", "prefill_attention.cpp", "bf16_linear.cpp"]
+_SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp", "prefill_attention.cpp",
+            "amx_attention.cpp", "bf16_linear.cpp"]
+_HEADERS = ["prefill_attention.h"]  # copied beside the sources, hashed with them, not compiled alone
 _LOCK = threading.Lock()
 
 
@@ -49,9 +51,10 @@ def load_cpu_ext() -> ModuleType | None:
         return None
     here = Path(__file__).parent
     sources = [str(here / s) for s in _SOURCES]
+    files = sources + [str(here / s) for s in _HEADERS]
     h = hashlib.sha256(torch.__version__.encode())
     h.update(_cpu_flags().encode())  # -march=native: a build is for this CPU's instruction sets only
-    for s in sources:
+    for s in files:
         h.update(Path(s).read_bytes())
     build = cache_dir() / h.hexdigest()[:16]
     build.mkdir(parents=True, exist_ok=True)
@@ -59,14 +62,13 @@ def load_cpu_ext() -> ModuleType | None:
         try:
             # build from copies inside the build folder: the ninja file then names the same paths for
             # every checkout of the same sources, which would otherwise each force a rebuild (~60 s)
-            local = []
-            for src in sources:
+            for src in files:
                 dst = build / Path(src).name
                 if not dst.exists() or dst.read_bytes() != Path(src).read_bytes():
                     tmp = dst.with_suffix(f".{os.getpid()}.tmp")  # ranks start together: replace atomically
                     shutil.copyfile(src, tmp)
                     os.replace(tmp, dst)
-                local.append(str(dst))
+            local = [str(build / Path(src).name) for src in sources]
             return cpp_extension.load(
                 name="rivulet_cpu_ext", sources=local, build_directory=str(build),
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],

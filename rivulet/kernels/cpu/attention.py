@@ -2,7 +2,9 @@
 
 Two C++ kernels read the pages in place, each one call per layer for the whole step: decode tokens
 (one query token per sequence) and the sequences with more than one query token (prefill chunks,
-k-token steps; `prefill_attention.cpp`, flash attention with the query rows in the vector lanes).
+k-token steps; `prefill_attention.cpp`, flash attention with the query rows in the vector lanes; in
+bf16 on CPUs with usable AMX, `amx_attention.cpp`: both matmuls on AMX tiles, 3x faster at 1k tokens;
+RIVULET_CPU_PREFILL_AMX=0 keeps the AVX-512 kernel, for comparisons).
 Without the C++ build (or bf16 without AVX512-BF16) decodes are one SDPA over the gathered pages
 padded to the longest context, and each prefill chunk one SDPA over its gathered context, in the
 4-D layout that PyTorch's fused CPU kernel (flash attention) takes (a 3-D call falls back to the
@@ -13,6 +15,8 @@ every call below is a dispatcher op, so a compiled model records them as they ar
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,8 @@ _ext = load_cpu_ext()
 DECODE_KERNEL = _ext is not None
 PREFILL_KERNEL = _ext is not None and hasattr(_ext, "prefill_attention")  # AVX-512 code
 PREFILL_KERNEL_BF16 = PREFILL_KERNEL and bool(_ext.PREFILL_ATTENTION_BF16)
+if PREFILL_KERNEL and os.environ.get("RIVULET_CPU_PREFILL_AMX") == "0":
+    _ext.prefill_attention_amx(False)
 
 
 def plan_attention_cpu(layout: BatchLayout) -> dict[str, torch.Tensor]:

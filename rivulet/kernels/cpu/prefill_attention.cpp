@@ -10,6 +10,8 @@
 // per row), and P V is the same shape again: O^T[d][rows] += V[key][d] (broadcast) x P^T[key][rows].
 // bf16 inputs, fp32 scores, softmax and accumulators; P rounded to bf16 for P V, as PyTorch's
 // flash kernel does.
+#include "prefill_attention.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -29,22 +31,9 @@ constexpr int64_t R = 32;   // rows of a tile: two vectors of 16 lanes
 constexpr int64_t KB = 32;  // keys per block of the online softmax
 constexpr int64_t KG = 8;   // keys (scores) or head dims (P V) whose 2 x 8 accumulators stay in registers
 
-// exp of 16 floats (Cephes' expf, as in cpu_ops.cpp); arguments are <= 0 here.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+using prefill::Args;
+using prefill::Tile;
+using prefill::exp16;
 
 // The element type's arithmetic on "dwords": KP elements of T packed in 32 bits (bf16: a pair of
 // the reduced dimension, for vdpbf16ps; float: one element, for an FMA).
@@ -64,9 +53,7 @@ struct BF16 {
   using T = at::BFloat16;
   static constexpr int64_t KP = 2;
   static __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
-  static __m512i interleave(__m256i lo, __m256i hi) {
-    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-  }
+  static __m512i interleave(__m256i lo, __m256i hi) { return prefill::interleave_bf16(lo, hi); }
   static __m512i pack_p(__m512 p0, __m512 p1) {
     return interleave((__m256i)_mm512_cvtneps_pbh(p0), (__m256i)_mm512_cvtneps_pbh(p1));
   }
@@ -75,27 +62,6 @@ struct BF16 {
   }
 };
 #endif
-
-struct Args {
-  const void* query;
-  int64_t q_stride0, q_stride1;
-  void* out;  // [T, Hq, D] contiguous
-  const void* keys;    // the cache's key plane [blocks, block_size, Hk, D]
-  const void* values;  // its value plane
-  int64_t bs, tok_stride, D, G, Hq;
-  float scale;
-  int64_t window;  // 0: none
-};
-
-struct Tile {
-  const int* table;
-  int64_t row0;    // flat-batch row of the sequence's first query token
-  int64_t first;   // index of the tile's first query token in the chunk
-  int64_t n;       // query tokens in the tile
-  int64_t start;   // position of the chunk's first query token (context before it)
-  int64_t h;       // kv head
-  int64_t cost;    // keys it reads (for the schedule)
-};
 
 struct Scratch {
   std::vector<uint32_t> qp, kc, pp, vp;
@@ -259,6 +225,18 @@ void run_tiles(const Args& a, const std::vector<Tile>& tiles) {
   });
 }
 
+std::atomic<bool> amx_enabled{true};
+
+// bf16 on AMX tiles (amx_attention.cpp) where the process may use them, the head dim is whole tile rows
+// and 16 keys never straddle a page
+bool use_amx(c10::ScalarType dtype, int64_t D, int64_t bs) {
+#ifdef __AVX512BF16__
+  return amx_enabled && dtype == torch::kBFloat16 && D % 32 == 0 && bs % 16 == 0 && amx_linear_available();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // Causal attention of every listed sequence's query tokens over its context in the paged cache.
@@ -277,8 +255,10 @@ void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tenso
   auto sq = seqs.to(torch::kLong).contiguous();
   const int64_t Hq = query.size(1), D = query.size(2), bs = kv_cache.size(2), Hk = kv_cache.size(3);
   const int64_t G = Hq / Hk, plane = kv_cache.numel() / 2, maxb = bt.size(1);
-  TORCH_CHECK(G <= R && Hq % Hk == 0, "prefill_attention: at most 32 query heads per kv head");
-  const int64_t TQ = R / G;  // query tokens per tile
+  TORCH_CHECK(Hq % Hk == 0, "prefill_attention: query heads a multiple of kv heads");
+  const bool amx = use_amx(query.scalar_type(), D, bs);
+  TORCH_CHECK(amx || G <= R, "prefill_attention: at most 32 query heads per kv head");
+  const int64_t TQ = amx ? 16 : R / G;  // query tokens per tile
   std::vector<Tile> tiles;
   for (int64_t i = 0; i < sq.numel(); ++i) {
     const int64_t s = sq.data_ptr<int64_t>()[i];
@@ -301,7 +281,10 @@ void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tenso
   } else {
 #ifdef __AVX512BF16__
     TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && D % 2 == 0, "prefill_attention: bf16 with an even head dim");
-    run_tiles<BF16>(a, tiles);
+    if (amx)
+      prefill::run_tiles_amx(a, tiles);
+    else
+      run_tiles<BF16>(a, tiles);
 #else
     TORCH_CHECK(false, "prefill_attention: bf16 needs AVX512-BF16");
 #endif
@@ -316,6 +299,9 @@ TORCH_LIBRARY_IMPL(rivulet, CPU, m) { m.impl("prefill_attention", &prefill_atten
 
 void register_prefill_attention(py::module& m) {
   m.def("prefill_attention", &prefill_attention);
+  // bf16 prefill attention on AMX tiles where usable (on by default); returns the previous setting
+  m.def("prefill_attention_amx", [](bool on) { return amx_enabled.exchange(on); });
+  m.def("prefill_attention_amx_used", [](int64_t D, int64_t bs) { return use_amx(torch::kBFloat16, D, bs); });
 #ifdef __AVX512BF16__
   m.attr("PREFILL_ATTENTION_BF16") = true;
 #else
