@@ -29,14 +29,6 @@ constexpr int64_t M = 16;   // query tokens of a tile (rows of the C and A tiles
 constexpr int64_t KB = 32;  // keys of a block: two S^T tiles, the K dim of one P tile
 // tiles (their numbers are immediates): 0-3 C, 4 A, 5 B
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 __attribute__((target("amx-tile"))) void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 rows of 64 bytes

@@ -17,6 +17,8 @@
 
 #include <cstring>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int kTileK = 32;  // bf16 along K per tile row (64 bytes)
@@ -39,14 +41,6 @@ bool amx_usable() {
   }();
   return ok;
 }
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tmm0-3: C (rows x 16 fp32), tmm4: A (rows x 32 bf16), tmm5: B (16 k-pairs x 16 columns x 2)
 __attribute__((target("amx-tile"))) void configure_tiles(int rows) {
