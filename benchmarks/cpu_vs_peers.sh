@@ -6,6 +6,7 @@
 #   row 3  128 x 128/128 at concurrency 64    output tok/s, TPOT
 #   row 4  16 x 1024/16 at concurrency 8      mean TTFT
 #   row 5  start to healthy                   seconds from launch to GET /health == 200
+#   row 6  memory after the rows              PSS and RSS (MiB) summed over the server's process tree
 # Each point is measured with `rivulet bench serve` and, when vLLM is installed, with vLLM's own `vllm bench
 # serve` too. Writes $OUT/<system>_<row>[_vllmclient].json, $OUT/summary.json, $OUT/table.md and $OUT/table.png.
 #
@@ -77,6 +78,36 @@ start_server() {  # system -> sets PID, writes $OUT/<system>_start.json
 
 stop_server() { kill "$PID" 2> /dev/null || true; wait "$PID" 2> /dev/null || true; sleep 2; }
 
+record_memory() {  # system -> $OUT/<system>_mem.json: PSS (shared pages split) and RSS of $PID and its descendants
+    python3 - "$PID" "$1" "$OUT/${1}_mem.json" <<'PY'
+import json, os, sys
+root, system, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+children = {}
+for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        continue
+    children.setdefault(ppid, []).append(int(p))
+tree, todo = [], [root]
+while todo:
+    p = todo.pop()
+    tree.append(p)
+    todo += children.get(p, [])
+pss = rss = 0
+for p in tree:
+    try:
+        for line in open(f"/proc/{p}/smaps_rollup"):
+            if line.startswith("Pss:"):
+                pss += int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss += int(line.split()[1])
+    except OSError:
+        pass
+json.dump({"system": system, "processes": len(tree), "pss_mib": pss / 1024, "rss_mib": rss / 1024}, open(path, "w"))
+PY
+}
+
 for sys in $SYSTEMS; do
     if [[ $sys == vllm && ! -x $VLLM/bin/vllm ]]; then log "skip vllm: run benchmarks/peers/setup_vllm.sh"; continue; fi
     if [[ $sys == llamacpp && ! -x $LLAMA_SERVER ]]; then log "skip llamacpp: no $LLAMA_SERVER"; continue; fi
@@ -100,6 +131,7 @@ for sys in $SYSTEMS; do
                 || log "vllm bench serve failed for $sys row $row (see the log)"
         fi
     done
+    record_memory "$sys"
     stop_server
 done
 .venv/bin/python benchmarks/cpu_vs_peers_table.py "$OUT"

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 ROWS = {1: "8 x 128/128 at 1: tok/s (TPOT ms)", 2: "32 x 128/128 at 16: tok/s", 3: "128 x 128/128 at 64: tok/s (TPOT ms)",
-        4: "16 x 1024/16 at 8: mean TTFT s", 5: "start to healthy, s"}
+        4: "16 x 1024/16 at 8: mean TTFT s", 5: "start to healthy, s",
+        6: "memory after the rows: PSS MiB (RSS)"}
 
 
 def _load(path: Path) -> dict | None:
@@ -34,12 +35,16 @@ def main() -> int:
                                        "vllm_client": _point(_load(out / f"{s}_row{row}_vllmclient.json"))}
         start = _load(out / f"{s}_start.json")
         summary[s]["row5"] = start["start_s"] if start else None
+        summary[s]["row6"] = _load(out / f"{s}_mem.json")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
     def cell(s: str, row: int, client: str) -> str:
         if row == 5:
             v = summary[s]["row5"]
             return f"{v:.1f}" if v is not None else "-"
+        if row == 6:
+            m = summary[s].get("row6")
+            return f"{m['pss_mib']:.0f} ({m['rss_mib']:.0f})" if m else "-"
         p = summary[s][f"row{row}"][client]
         if not p or p["output_tok_s"] is None:
             return "-"
