@@ -27,11 +27,13 @@ namespace {
 
 constexpr int64_t M = 16;   // query tokens of a tile (rows of the C and A tiles)
 constexpr int64_t KB = 32;  // keys of a block: two S^T tiles, the K dim of one P tile
-// tiles (their numbers are immediates): 0-3 C, 4 A, 5 B
+// tiles (their numbers are immediates): S^T in C tiles 0-1 from A tile 2 (keys) and B tile 3 (Q^T); P V in C
+// tiles 4-5 from A tile 6 (P) and B tile 7 (V). Apart, so that the next head's S^T is on the tile unit while
+// the vector units run this head's softmax.
 
 __attribute__((target("amx-tile"))) void configure_tiles() {
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 rows of 64 bytes
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 rows of 64 bytes
   _tile_loadconfig(&cfg);
 }
 
@@ -64,14 +66,30 @@ inline void transpose16(__m512i r[16]) {
 struct Scratch {
   std::vector<uint32_t> qt;  // [G][D/2 dim pairs][16 tokens]: Q^T, B tiles of 16 pairs each
   std::vector<uint32_t> vb;  // [D/16][16 key pairs][16 dims]: V in key pairs, a B tile per 16 dims
-  std::vector<float> s;      // [32 keys][16 tokens]: S^T
+  std::vector<float> s;      // [2][32 keys][16 tokens]: S^T of two heads (one stored while the next computes)
   std::vector<uint32_t> pa;  // [16 tokens][16 key pairs]: P, an A tile
-  std::vector<float> pv;     // [16 tokens][64]: up to four C tiles of P V
+  std::vector<float> pv;     // [16 tokens][64]: two C tiles of P V (row stride 64 floats)
   std::vector<float> o;      // [G][16 tokens][D]: output accumulators
   std::vector<float> ml;     // [G][2][16]: running max and sum per token
   Scratch(int64_t G, int64_t D)
-      : qt(G * D / 2 * M), vb(D * M), s(KB * M), pa(M * M), pv(M * 64), o(G * M * D), ml(G * 2 * M) {}
+      : qt(G * D / 2 * M), vb(D * M), s(2 * KB * M), pa(M * M), pv(M * 64), o(G * M * D), ml(G * 2 * M) {}
 };
+
+// S^T of one head for the block's 16 or 32 keys into C tiles 0 (and 1): kp0/kp1 are the keys' page rows
+__attribute__((target("amx-tile,amx-bf16"))) inline void issue_scores(const uint32_t* qt, const at::BFloat16* kp0,
+                                                                     const at::BFloat16* kp1, int64_t kstride, int64_t D) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(3, qt + c * M * M, 64);
+    _tile_loadd(2, kp0 + c * 32, kstride);
+    _tile_dpbf16ps(0, 2, 3);
+    if (kp1) {
+      _tile_loadd(2, kp1 + c * 32, kstride);
+      _tile_dpbf16ps(1, 2, 3);
+    }
+  }
+}
 
 __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const Tile& t, Scratch& sc) {
   using T = at::BFloat16;
@@ -101,7 +119,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     return plane + (int64_t(t.table[k / a.bs]) * a.bs + k % a.bs) * a.tok_stride + t.h * D;
   };
   const int64_t kstride = a.tok_stride * int64_t(sizeof(T));
-  float* s = sc.s.data();
   for (int64_t k0 = lo / M * M; k0 < hi; k0 += KB) {
     const int64_t nk = std::min(KB, hi - k0);  // keys before the end (those before `lo` are masked)
     // V in key pairs for all heads (keys past the end: the last key again, with P = 0)
@@ -122,22 +139,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     }
     const T* kp0 = token(keys, k0);  // 16 keys of one page
     const T* kp1 = nk > M ? token(keys, k0 + M) : nullptr;
+    issue_scores(sc.qt.data(), kp0, kp1, kstride, D);  // S^T = K Q^T of the first head
     for (int64_t g = 0; g < G; ++g) {
-      const uint32_t* qt = sc.qt.data() + g * DW * M;
-      // S^T = K Q^T, 16 keys a tile
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t c = 0; c < D / 32; ++c) {
-        _tile_loadd(5, qt + c * M * M, 64);
-        _tile_loadd(4, kp0 + c * 32, kstride);
-        _tile_dpbf16ps(0, 4, 5);
-        if (kp1) {
-          _tile_loadd(4, kp1 + c * 32, kstride);
-          _tile_dpbf16ps(1, 4, 5);
-        }
-      }
+      float* s = sc.s.data() + (g & 1) * KB * M;
       _tile_stored(0, s, 64);
       if (kp1) _tile_stored(1, s + M * M, 64);
+      if (g + 1 < G) issue_scores(sc.qt.data() + (g + 1) * DW * M, kp0, kp1, kstride, D);  // runs beside the softmax
       // online softmax over the block, per token (lane)
       float* ml = sc.ml.data() + g * 2 * M;
       const __m512 m_old = _mm512_loadu_ps(ml), l_old = _mm512_loadu_ps(ml + M);
@@ -167,34 +174,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
       for (int64_t r = 0; r < M; ++r) _mm512_storeu_si512(sc.pa.data() + r * M, pr[r]);
       alignas(64) float al[M];
       _mm512_store_ps(al, alpha);
-      // O = alpha O + P V, 64 dims (four C tiles) at a time
+      // O = alpha O + P V, 32 dims (two C tiles) at a time
       float* o = sc.o.data() + g * M * D;
-      _tile_loadd(4, sc.pa.data(), 64);
-      for (int64_t dn0 = 0; dn0 < DN; dn0 += 4) {
-        const int64_t cnt = std::min<int64_t>(4, DN - dn0);
+      _tile_loadd(6, sc.pa.data(), 64);
+      for (int64_t dn0 = 0; dn0 < DN; dn0 += 2) {
+        const int64_t cnt = std::min<int64_t>(2, DN - dn0);
         const uint32_t* vb = sc.vb.data() + dn0 * M * M;
-        _tile_zero(0);
-        _tile_loadd(5, vb, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_stored(0, sc.pv.data(), 256);
+        _tile_zero(4);
+        _tile_loadd(7, vb, 64);
+        _tile_dpbf16ps(4, 6, 7);
         if (cnt > 1) {
-          _tile_zero(1);
-          _tile_loadd(5, vb + M * M, 64);
-          _tile_dpbf16ps(1, 4, 5);
-          _tile_stored(1, sc.pv.data() + 16, 256);
+          _tile_zero(5);
+          _tile_loadd(7, vb + M * M, 64);
+          _tile_dpbf16ps(5, 6, 7);
         }
-        if (cnt > 2) {
-          _tile_zero(2);
-          _tile_loadd(5, vb + 2 * M * M, 64);
-          _tile_dpbf16ps(2, 4, 5);
-          _tile_stored(2, sc.pv.data() + 32, 256);
-        }
-        if (cnt > 3) {
-          _tile_zero(3);
-          _tile_loadd(5, vb + 3 * M * M, 64);
-          _tile_dpbf16ps(3, 4, 5);
-          _tile_stored(3, sc.pv.data() + 48, 256);
-        }
+        _tile_stored(4, sc.pv.data(), 256);
+        if (cnt > 1) _tile_stored(5, sc.pv.data() + 16, 256);
         for (int64_t r = 0; r < M; ++r) {
           const __m512 ar = _mm512_set1_ps(al[r]);
           float* orow = o + r * D + dn0 * 16;
