@@ -121,10 +121,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
   const int64_t kstride = a.tok_stride * int64_t(sizeof(T));
   for (int64_t k0 = lo / M * M; k0 < hi; k0 += KB) {
     const int64_t nk = std::min(KB, hi - k0);  // keys before the end (those before `lo` are masked)
-    // V in key pairs for all heads (keys past the end: the last key again, with P = 0)
+    // V in key pairs for all heads (keys past the end: the last key again, with P = 0). Each 16 keys lie in
+    // one page, so a row is its group's page row plus an offset (no division per key).
+    const T* vpage[2] = {token(values, k0), nk > M ? token(values, k0 + M) : nullptr};
+    auto vrow = [&](int64_t j) {
+      j = std::min(j, nk - 1);
+      return vpage[j / M] + (j % M) * a.tok_stride;
+    };
     for (int64_t jp = 0; jp < KB / 2; ++jp) {
-      const T* v0 = token(values, std::min(k0 + 2 * jp, hi - 1));
-      const T* v1 = token(values, std::min(k0 + 2 * jp + 1, hi - 1));
+      const T* v0 = vrow(2 * jp);
+      const T* v1 = vrow(2 * jp + 1);
       for (int64_t dn = 0; dn < DN; ++dn)
         _mm512_storeu_si512(sc.vb.data() + (dn * M + jp) * M,
                             interleave_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dn * 16)),
