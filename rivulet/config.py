@@ -81,12 +81,72 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+SpeculativeMethod = Literal["ngram"]
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys): a proposer guesses up to
+    `num_speculative_tokens` tokens per decoding request, one step of the model verifies them
+    (rivulet/spec_decode/). `ngram`: prompt lookup, the continuation of the longest n-gram
+    (prompt_lookup_min <= n <= prompt_lookup_max) that ends the sequence and occurred before in it.
+    `disable_by_batch_size`: no drafts in steps with more running requests than this."""
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None  # None: prompt_lookup_max, or 5 when neither is given (vLLM's rule)
+    prompt_lookup_max: int | None = None  # None: prompt_lookup_min, or 5
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            hint = " (a draft model is not supported yet)" if self.method == "draft_model" else ""
+            raise RivuletError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                               f"not {self.method!r}{hint}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise RivuletError("speculative_config: num_speculative_tokens must be an integer >= 1, "
+                               f"not {self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (lo if lo is not None else hi if hi is not None else 5), (hi if hi is not None else lo or 5)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise RivuletError("speculative_config: need integers 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                               f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or b < 1):
+            raise RivuletError(f"speculative_config: disable_by_batch_size must be an integer >= 1, not {b!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From `LLM(speculative_config=dict)` or `--speculative-config JSON`; unknown keys are errors."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RivuletError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise RivuletError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+        if value.get("method", "ngram") not in SPECULATIVE_METHODS:
+            cls(method=value["method"])  # raises: the method first, before keys it would need
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise RivuletError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
+                               f"(known: {', '.join(sorted(names))})")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
 
     def to_json(self) -> str:
         """The whole configuration as JSON, to hand it to another process."""
@@ -95,5 +155,6 @@ class EngineConfig:
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:
         d = json.loads(text)
+        spec = d.get("speculative")
         return cls(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
-                   ParallelConfig(**d["parallel"]))
+                   ParallelConfig(**d["parallel"]), SpeculativeConfig(**spec) if spec else None)

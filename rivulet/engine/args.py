@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from rivulet.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig
+from rivulet.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig,
+                            SpeculativeConfig)
 
 
 def _opt(help: str, **cli: Any) -> Any:
@@ -58,6 +59,9 @@ class EngineArgs:
         "worker processes on this machine (mp, default) or Ray actors (ray)", choices=["mp", "ray"]))
     pipeline_micro_batches: int | None = field(default=None, metadata=_opt(
         "with PP: micro-batches per step in flight through the stages (default: 1)"))
+    speculative_config: dict | str | None = field(default=None, metadata=_opt(
+        "speculative decoding as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4}'", type=str))
 
     @classmethod
     def names(cls) -> set[str]:
@@ -112,4 +116,5 @@ class EngineArgs:
                 replicated_experts=list(self.replicated_experts) if self.replicated_experts else None,
                 distributed_executor_backend=self.distributed_executor_backend,
                 pipeline_micro_batches=self.pipeline_micro_batches),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )

@@ -21,6 +21,7 @@ import dataclasses
 
 import logging
 from collections.abc import Callable
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rivulet.config import EngineConfig, RivuletError
@@ -32,6 +33,7 @@ from rivulet.engine.tokenizer import eos_token_ids
 from rivulet.executor import make_executor
 from rivulet.models.loader import ModelSource
 from rivulet.platforms import current_platform
+from rivulet.spec_decode import NgramProposer, SpecDecodeStats
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -75,12 +77,22 @@ class EngineCore:
             use_async = current_platform().computes_apart_from_host
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-step") if use_async else None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
-        # draft tokens for a decoding request (k-token steps); set by speculative decoding or tests
-        self.proposer: Callable[[Request], list[int]] | None = None
+        # draft tokens for a decoding request (k-token steps): speculative decoding's proposer, or a test's
+        spec = config.speculative
+        self.proposer: Callable[[Request], list[int]] | None = NgramProposer(spec) if spec else None
+        self.spec_disable_batch_size = spec.disable_by_batch_size if spec else None
+        self.spec_stats = SpecDecodeStats()
 
     def model_info(self) -> ModelInfo:
         arch = self.executor.arch_config
         return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids))
+
+    def get_stats(self) -> dict[str, Any]:
+        """A snapshot for metrics: the scheduler's, the cache size, and speculative decoding's counters."""
+        stats = dataclasses.asdict(self.scheduler.get_stats()) | {"num_blocks": self.num_blocks}
+        if self.proposer is not None:
+            stats |= {f"spec_decode_{k}": v for k, v in dataclasses.asdict(self.spec_stats).items()}
+        return stats
 
     def shutdown(self) -> None:
         if self._in_flight is not None:
@@ -139,11 +151,18 @@ class EngineCore:
     def _propose(self) -> None:
         if self.proposer is None:
             return
+        limit = self.spec_disable_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return
         for req in self.scheduler.running:
             if req.num_tokens - req.num_computed_tokens == 1 and not req.num_output_placeholders:
                 req.spec_token_ids = list(self.proposer(req))
 
     def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
+        for rid, spec in sched.scheduled_spec_tokens.items():
+            got = result.sampled_token_ids.get(rid)
+            if got:
+                self.spec_stats.observe(len(spec), len(got) - 1)
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
                 and self.scheduler.has_finished_to_report():

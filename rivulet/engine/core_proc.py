@@ -6,7 +6,6 @@ arriving during a step join the next one. It exits when told to, or when its par
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -64,8 +63,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                 elif isinstance(msg, Stop):
                     core.finish_requests(msg.request_ids, RequestStatus.FINISHED_STOPPED)
                 elif isinstance(msg, GetStats):
-                    stats = dataclasses.asdict(core.scheduler.get_stats()) | {"num_blocks": core.num_blocks}
-                    outbox.send(encode(Stats(stats)))
+                    outbox.send(encode(Stats(core.get_stats())))
                 elif isinstance(msg, Shutdown):
                     core.shutdown()
                     return

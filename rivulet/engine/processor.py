@@ -133,24 +133,26 @@ class RequestProcessor:
         req.num_cached_tokens = max(req.num_cached_tokens, c.num_cached_tokens)
         if o.finished:
             return False
-        o.token_ids.extend(c.new_token_ids)
-        if o.logprobs is not None:
-            for lp in so.logprobs:
-                o.logprobs.append(self._position(lp))
-                o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp.logprob
+        new_ids, logprobs = c.new_token_ids, so.logprobs
         if sample.detok is not None:
-            text_ids = c.new_token_ids
+            text_ids = new_ids
             if c.finish_reason == "stop" and isinstance(c.stop_reason, int):
                 text_ids = text_ids[:-1]  # the eos / stop token itself is not text
+            before = len(sample.detok.output_token_ids)
             sample.detok.update(text_ids)
-            if sample.detok.finished and not c.finish_reason:  # a stop string matched
-                stopped = True
-                c.finish_reason, c.stop_reason = "stop", sample.detok.stop_reason
-            elif sample.detok.finished:
-                c.stop_reason = sample.detok.stop_reason
+            if sample.detok.finished:  # a stop string ended at one of these tokens: the rest never happened
+                kept = len(sample.detok.output_token_ids) - before  # (more than one: accepted draft tokens)
+                new_ids, logprobs = new_ids[:kept], logprobs[:kept]
+                stopped = not c.finish_reason  # else the core has finished it already
+                c.finish_reason, c.stop_reason = "stop", sample.detok.stop_reason  # as in vLLM: the string wins
             if c.finish_reason:
                 sample.detok.flush()
             o.text = sample.detok.output_text
+        o.token_ids.extend(new_ids)
+        if o.logprobs is not None:
+            for lp in logprobs:
+                o.logprobs.append(self._position(lp))
+                o.cumulative_logprob = (o.cumulative_logprob or 0.0) + lp.logprob
         if c.finish_reason:
             o.finish_reason, o.stop_reason, o.error = c.finish_reason, c.stop_reason, c.error
             del self._samples[c.request_id]

@@ -170,6 +170,17 @@ def test_request_tracker_arithmetic() -> None:
     assert value('rivulet:num_preemptions_total{model_name="m"}') == 3
     assert value('rivulet:prefix_cache_hit_rate{model_name="m"}') == pytest.approx(0.2)
     assert value('rivulet:num_requests_running{model_name="m"}') == 0
+    assert 'spec_decode_num_drafts_total{' not in text  # only an engine that speculates has the series
+    spec = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 5,
+            "spec_decode_accepted_per_pos": [3, 2]}
+    metrics.update_engine_stats(spec)
+    metrics.update_engine_stats(spec | {"spec_decode_num_drafts": 6, "spec_decode_accepted_per_pos": [4, 2, 1]})
+    text = metrics.render().decode()
+    assert value('rivulet:spec_decode_num_drafts_total{model_name="m"}') == 6
+    assert value('rivulet:spec_decode_num_draft_tokens_total{model_name="m"}') == 12
+    assert value('rivulet:spec_decode_num_accepted_tokens_total{model_name="m"}') == 5
+    assert [value(f'rivulet:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{j}"}}')
+            for j in range(3)] == [4, 2, 1]
 
 
 def test_drain_finishes_short_requests_and_cuts_long_ones_at_the_timeout(tokenizer: Any) -> None:

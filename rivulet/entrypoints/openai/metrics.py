@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in its own ``CollectorRegistry`` (no process-global state).
 
 Names follow vLLM's with a ``rivulet:`` prefix. Engine-side numbers (running/waiting requests, KV
-cache usage, prefix-cache counters, preemptions) are read from ``engine.get_stats()`` when
+cache usage, prefix-cache counters, preemptions, speculative decoding's draft and accepted tokens)
+are read from ``engine.get_stats()`` when
 ``/metrics`` is scraped; request-side numbers (tokens, finish reasons, latencies) are recorded
 here as outputs stream through the server.
 """
@@ -50,6 +51,13 @@ class ServerMetrics:
         self.prefix_queries = counter("rivulet:prefix_cache_queries", "Prefix-cache lookups (tokens queried).")
         self.prefix_hits = counter("rivulet:prefix_cache_hits", "Prefix-cache hits (tokens found).")
         self.preemptions = counter("rivulet:num_preemptions", "Requests preempted by the scheduler.")
+        self.spec_drafts = counter("rivulet:spec_decode_num_drafts",
+                                   "Speculative decoding: verify steps of a request that carried draft tokens.")
+        self.spec_draft_tokens = counter("rivulet:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("rivulet:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("rivulet:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft (0: first).",
+                                             ("position",))
         self.prompt_tokens = counter("rivulet:prompt_tokens", "Prompt tokens of requests served.")
         self.generation_tokens = counter("rivulet:generation_tokens", "Tokens generated.")
         self.request_success = counter("rivulet:request_success", "Finished choices by finish reason.",
@@ -90,6 +98,19 @@ class ServerMetrics:
             if grown > 0:
                 metric.labels(m).inc(grown)
             self._last_engine[key] = max(value, self._last_engine.get(key, 0.0))
+        if "spec_decode_num_drafts" in stats:  # the engine speculates
+            series = [("spec_decode_num_drafts", self.spec_drafts.labels(m), stats["spec_decode_num_drafts"]),
+                      ("spec_decode_num_draft_tokens", self.spec_draft_tokens.labels(m),
+                       stats.get("spec_decode_num_draft_tokens", 0)),
+                      ("spec_decode_num_accepted_tokens", self.spec_accepted.labels(m),
+                       stats.get("spec_decode_num_accepted_tokens", 0))]
+            series += [(f"spec_decode_accepted_pos_{j}", self.spec_accepted_per_pos.labels(m, str(j)), v)
+                       for j, v in enumerate(stats.get("spec_decode_accepted_per_pos", []))]
+            for key, child, value in series:
+                grown = float(value) - self._last_engine.get(key, 0.0)
+                if grown > 0:
+                    child.inc(grown)
+                self._last_engine[key] = max(float(value), self._last_engine.get(key, 0.0))
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
