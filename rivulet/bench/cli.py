@@ -22,7 +22,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="tokenizer for exact prompt lengths: 'default', HF folder or .gguf (default: the model id)")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "jsonl"])
+    # datasets.DATASETS (not imported here: numpy would slow every `rivulet` command's start)
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "copy", "jsonl"],
+                   help="copy: edit tasks whose answer repeats the prompt (use with --endpoint chat)")
     p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset jsonl")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)

@@ -18,7 +18,7 @@ import numpy as np
 from rivulet.config import RivuletError
 
 PromptFormat = Literal["text", "ids"]
-DATASETS: tuple[str, ...] = ("random", "shared-prefix", "jsonl")
+DATASETS: tuple[str, ...] = ("random", "shared-prefix", "copy", "jsonl")
 _MAX_TRIES = 32
 
 
@@ -141,6 +141,43 @@ def shared_prefix_requests(tokenizer: Any, num: int, input_len: int, output_len:
     return reqs
 
 
+_WORDS = ("total", "count", "price", "weight", "index", "label", "score", "limit", "value", "order", "item",
+          "width", "height", "offset", "ratio", "name", "user", "group", "result", "buffer", "window", "token")
+_EDITS = ("Repeat the following code exactly, without any change:",
+          "Rename the variable `{a}` to `{b}` in the following code and return the whole code:",
+          "Add a one-line docstring to every function in the following code and return the whole code:",
+          "Fix the indentation of the following code if needed and return the whole code:")
+
+
+def _code(rng: np.random.Generator) -> str:
+    """One small Python function with random names (a passage for the copy dataset)."""
+    w = [str(x) for x in rng.choice(_WORDS, size=4, replace=False)]
+    op = str(rng.choice(["+", "-", "*"]))
+    return (f"def {w[0]}_{w[1]}({w[2]}, {w[3]}):\n"
+            f"    {w[1]} = {w[2]} {op} {w[3]}\n"
+            f"    if {w[1]} > {int(rng.integers(2, 100))}:\n"
+            f"        return {w[1]} // {int(rng.integers(2, 9))}\n"
+            f"    return {w[1]}\n\n")
+
+
+def copy_requests(tokenizer: Any, num: int, input_len: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Edit tasks whose answer repeats the input (the case prompt-lookup speculation is for): an
+    instruction (repeat, rename a variable, add docstrings, fix indentation) over generated Python
+    functions, about `input_len` tokens in all (whole functions: the length is approximate). Text
+    prompts; send them with `--endpoint chat` to an instruction-tuned model."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for _ in range(num):
+        a, b = (str(x) for x in rng.choice(_WORDS, size=2, replace=False))
+        head = str(rng.choice(_EDITS)).format(a=a, b=b) + "\n\n"
+        body = ""
+        while not body or count_tokens(tokenizer, head + body) < input_len:
+            body += _code(rng)
+        text = head + body.rstrip() + "\n"
+        reqs.append(SampleRequest(text, count_tokens(tokenizer, text), output_len))
+    return reqs
+
+
 def jsonl_requests(tokenizer: Any, path: str, num: int, output_len: int,
                    prompt_format: PromptFormat = "text") -> list[SampleRequest]:
     """Lines of a JSONL file: a string, or {"prompt": str, "output_len"?: int}; cycled to `num` requests."""
@@ -181,6 +218,10 @@ def make_requests(dataset: str, tokenizer: Any, num: int, input_len: int, output
     if dataset == "shared-prefix":
         return shared_prefix_requests(tokenizer, num, input_len, output_len, prefix_len, range_ratio,
                                       prompt_format, seed)
+    if dataset == "copy":
+        if prompt_format != "text":
+            raise RivuletError("--dataset copy builds text prompts (--prompt-format text)")
+        return copy_requests(tokenizer, num, input_len, output_len, seed)
     if dataset == "jsonl":
         if not dataset_path:
             raise RivuletError("--dataset jsonl needs --dataset-path FILE")

@@ -135,6 +135,14 @@ def format_summary(s: dict[str, Any], title: str = "Serving Benchmark Result") -
         row(f"Median {name.upper()} (ms):", s[f"median_{name}_ms"])
         for p in PERCENTILES[1:]:
             row(f"P{p} {name.upper()} (ms):", s[f"p{p}_{name}_ms"])
+    if "spec_decode" in s:
+        d = s["spec_decode"]
+        lines.append(f"{' Speculative Decoding ':-^60}")
+        row("Drafts:", d["num_drafts"])
+        row("Draft tokens:", d["num_draft_tokens"])
+        row("Accepted tokens:", d["num_accepted_tokens"])
+        row("Acceptance rate (%):", 100.0 * d["acceptance_rate"])
+        row("Acceptance length (tokens per step):", d["mean_acceptance_length"])
     for e in s.get("errors", []):
         lines.append(f"error: {e}")
     lines.append("=" * 60)

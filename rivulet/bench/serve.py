@@ -229,11 +229,49 @@ async def warm_up(cfg: ClientConfig, req: SampleRequest, n: int) -> None:
                 raise RivuletError(f"the warm-up request failed: {r.error}")
 
 
+_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counters(base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from /metrics (`rivulet:` or `vllm:spec_decode_*_total`,
+    summed over label sets); None where it exposes none (no speculation, or no /metrics)."""
+    try:
+        r = httpx.get(f"{base_url}/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    return parse_spec_counters(r.text) if r.status_code == 200 else None
+
+
+def parse_spec_counters(text: str) -> dict[str, float] | None:
+    """The counters of `spec_decode_counters` from Prometheus text."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        metric = name.split("{", 1)[0].split(":", 1)[-1]
+        for key in _SPEC_COUNTERS:
+            if metric == f"spec_decode_{key}_total":
+                found[key] = found.get(key, 0.0) + float(value.split()[0])
+    return found if "num_drafts" in found else None
+
+
+def spec_decode_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """What one point added to the counters: drafts, draft and accepted tokens, acceptance rate and
+    mean acceptance length (tokens per verify step: accepted drafts + 1)."""
+    if after is None:
+        return None
+    d = {k: int(after.get(k, 0) - (before or {}).get(k, 0)) for k in _SPEC_COUNTERS}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
+
+
 def run_point(cfg: ClientConfig, requests: Sequence[SampleRequest], load: LoadConfig,
               slo: dict[str, float] | None = None, use_tqdm: bool = True, desc: str = "") -> dict[str, Any]:
-    """One benchmark point: the load's settings plus the metrics summary."""
+    """One benchmark point: the load's settings plus the metrics summary (and the server's speculative
+    decoding counters over the point, where it has them)."""
     from tqdm import tqdm
 
+    spec_before = spec_decode_counters(cfg.base_url)
     bar = tqdm(total=len(requests), desc=desc or "requests", unit="req", disable=not use_tqdm, leave=False)
     try:
         results, elapsed, cancelled = asyncio.run(run_load(cfg, requests, load, lambda: bar.update(1)))
@@ -243,6 +281,9 @@ def run_point(cfg: ClientConfig, requests: Sequence[SampleRequest], load: LoadCo
                              "max_concurrency": load.max_concurrency, "burstiness": load.burstiness,
                              "num_prompts": len(requests), "incomplete": cancelled}
     point.update(summarize(results, elapsed, slo))
+    spec = spec_decode_summary(spec_before, spec_decode_counters(cfg.base_url) if spec_before else None)
+    if spec is not None:
+        point["spec_decode"] = spec
     return point
 
 

@@ -72,3 +72,23 @@ def test_exact_lengths_with_a_tiny_hf_tokenizer(tiny_tokenizer_dir, n):
 def test_unknown_tokenizer_is_one_line(tmp_path):
     with pytest.raises(RivuletError, match="pass --tokenizer"):
         load_bench_tokenizer("served-name-that-is-not-a-path")
+
+
+def test_copy_dataset_asks_to_repeat_code_of_about_the_length(default_tokenizer):
+    import argparse
+
+    from rivulet.bench.cli import _serve_parser
+    from rivulet.bench.datasets import DATASETS
+
+    reqs = make_requests("copy", default_tokenizer, 6, 300, 50, seed=1)
+    assert len({r.prompt for r in reqs}) == 6 and all(r.output_len == 50 for r in reqs)
+    for r in reqs:
+        assert r.prompt_len == count_tokens(default_tokenizer, r.prompt)
+        assert 300 <= r.prompt_len < 300 + 80  # whole functions: a little over
+        assert "return the whole code" in r.prompt or "exactly" in r.prompt
+        assert r.prompt.count("def ") >= 3
+    with pytest.raises(RivuletError, match="text prompts"):
+        make_requests("copy", default_tokenizer, 2, 100, 5, prompt_format="ids")
+    p = argparse.ArgumentParser()
+    _serve_parser(p)
+    assert next(a for a in p._actions if a.dest == "dataset").choices == list(DATASETS)

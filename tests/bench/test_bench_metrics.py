@@ -66,3 +66,24 @@ def test_bad_slo_is_a_rivulet_error(spec):
 def test_slo_parsing():
     assert parse_slo(" TTFT=250 , tpot=12.5,e2el=3000") == {"ttft": 250.0, "tpot": 12.5, "e2el": 3000.0}
     assert parse_slo(None) == {}
+
+
+def test_spec_decode_counters_from_rivulet_or_vllm_metrics_and_their_summary():
+    from rivulet.bench.serve import parse_spec_counters, spec_decode_summary
+
+    text = ('# HELP rivulet:spec_decode_num_drafts_total x\nrivulet:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+            'rivulet:spec_decode_num_draft_tokens_total{model_name="m"} 30.0\n'
+            'rivulet:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0\n'
+            'rivulet:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 8.0\n')
+    before = parse_spec_counters(text)
+    assert before == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12}
+    after = parse_spec_counters('vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 30.0\n'
+                                'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 90.0\n'
+                                'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 52.0\n')
+    d = spec_decode_summary(before, after)
+    assert (d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]) == (20, 60, 40)
+    assert d["acceptance_rate"] == pytest.approx(2 / 3) and d["mean_acceptance_length"] == pytest.approx(3.0)
+    assert parse_spec_counters("rivulet:num_preemptions_total 3.0\n") is None
+    assert spec_decode_summary(None, None) is None
+    s = summarize([], 1.0) | {"spec_decode": d}
+    assert "Acceptance length (tokens per step):" in format_summary(s)
