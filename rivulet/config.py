@@ -81,39 +81,54 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SpeculativeMethod = Literal["ngram"]
-SPECULATIVE_METHODS = ("ngram",)
+SpeculativeMethod = Literal["ngram", "draft_model"]
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config` keys): a proposer guesses up to
-    `num_speculative_tokens` tokens per decoding request, one step of the model verifies them
-    (rivulet/spec_decode/). `ngram`: prompt lookup, the continuation of the longest n-gram
+    `num_speculative_tokens` tokens per decoding request, one step of the model verifies them.
+    `ngram` (rivulet/spec_decode/): prompt lookup, the continuation of the longest n-gram
     (prompt_lookup_min <= n <= prompt_lookup_max) that ends the sequence and occurred before in it.
-    `disable_by_batch_size`: no drafts in steps with more running requests than this."""
+    `draft_model` (rivulet/worker/draft_runner.py): greedy tokens of a smaller `model` with the
+    target's tokenizer (optionally `quantization` int8/int4 on CPU); given a `model` and no method,
+    the method is draft_model (vLLM's rule). `disable_by_batch_size`: no drafts in steps with more
+    running requests than this."""
 
     method: SpeculativeMethod = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int | None = None  # None: prompt_lookup_max, or 5 when neither is given (vLLM's rule)
     prompt_lookup_max: int | None = None  # None: prompt_lookup_min, or 5
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: a HF folder, a .gguf file, or "default"
+    quantization: Quantization | None = None  # draft_model: the draft's weight-only quantization
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            hint = " (a draft model is not supported yet)" if self.method == "draft_model" else ""
             raise RivuletError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                               f"not {self.method!r}{hint}")
+                               f"not {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise RivuletError("speculative_config: num_speculative_tokens must be an integer >= 1, "
                                f"not {self.num_speculative_tokens!r}")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        lo, hi = (lo if lo is not None else hi if hi is not None else 5), (hi if hi is not None else lo or 5)
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise RivuletError("speculative_config: need integers 1 <= prompt_lookup_min <= prompt_lookup_max, "
-                               f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise RivuletError("speculative_config: method draft_model needs \"model\": the draft's path")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise RivuletError("speculative_config: prompt_lookup_min/max are for method ngram, not draft_model")
+        else:
+            if self.model is not None or self.quantization is not None:
+                raise RivuletError("speculative_config: \"model\" and \"quantization\" are for method draft_model, "
+                                   "not ngram")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo if lo is not None else hi if hi is not None else 5), (hi if hi is not None else lo or 5)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise RivuletError("speculative_config: need integers 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                                   f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.quantization not in (None, "int8", "int4"):
+            raise RivuletError(f"speculative_config: quantization must be int8 or int4, not {self.quantization!r}")
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or b < 1):
             raise RivuletError(f"speculative_config: disable_by_batch_size must be an integer >= 1, not {b!r}")
@@ -130,6 +145,8 @@ class SpeculativeConfig:
                 raise RivuletError(f"--speculative-config is not JSON: {e}") from None
         if not isinstance(value, dict):
             raise RivuletError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+        if "method" not in value and value.get("model") is not None:
+            value = value | {"method": "draft_model"}
         if value.get("method", "ngram") not in SPECULATIVE_METHODS:
             cls(method=value["method"])  # raises: the method first, before keys it would need
         names = {f.name for f in dataclasses.fields(cls)}

@@ -82,9 +82,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Give ``request`` room for ``num_new_tokens`` more tokens.
+        """Give ``request`` room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens``
+        after them: scratch room, e.g. for a draft model's guesses, never cached).
 
         ``new_computed_blocks`` are prefix hits from ``get_computed_blocks`` (only for a
         request that holds no blocks yet); they are shared, not copied. Returns the ids
@@ -96,7 +98,7 @@ class KVCacheManager:
             raise ValueError("prefix hits can only be given to a request with no blocks")
         num_held = len(req_blocks) if req_blocks else 0
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - num_held - len(hits)
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens + num_lookahead_tokens) - num_held - len(hits)
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if max(num_needed, 0) + num_evictable_hits > self.num_free_blocks:
             return None

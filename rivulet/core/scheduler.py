@@ -38,13 +38,16 @@ class Scheduler:
     not scheduled again. Called strictly in turn, it behaves as a synchronous scheduler.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 num_lookahead_tokens: int = 0) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(cfg, name) < 1:
                 raise RivuletError(f"SchedulerConfig.{name} must be >= 1, got {getattr(cfg, name)}")
         self.config = cfg
         self.kv_cache_manager = kv_cache_manager
+        # blocks beyond a sampling step's tokens, where a draft model writes its guesses (its k drafts)
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = RequestQueue()  # WAITING and PREEMPTED
         self.running = RequestQueue()  # RUNNING: holds blocks
@@ -190,6 +193,12 @@ class Scheduler:
             req.num_output_placeholders += 1
             out.sampling_request_ids.add(req.request_id)
 
+    def _lookahead(self, req: Request, computed_after: int) -> int:
+        """Scratch slots after a step that samples (none for a prefill chunk), within max_model_len."""
+        if not self.num_lookahead_tokens or computed_after < req.num_tokens + req.num_output_placeholders:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - computed_after))
+
     def _allocate_or_preempt(
         self, req: Request, num_new: int, index: int, out: SchedulerOutput
     ) -> list[int] | None:
@@ -198,7 +207,8 @@ class Scheduler:
         Returns None if ``req`` itself had to go (preempted, or failed as too big).
         """
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_new)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                req, num_new, num_lookahead_tokens=self._lookahead(req, req.num_computed_tokens + num_new))
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop_back()
@@ -222,7 +232,7 @@ class Scheduler:
                 continue
             hit_ids, num_hit = kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
-            if kv.allocate_slots(req, num_new, hit_ids) is None:
+            if kv.allocate_slots(req, num_new, hit_ids, self._lookahead(req, num_hit + num_new)) is None:
                 break  # the head waits for memory; nobody overtakes it
             self.waiting.pop_front()
             req.status = RequestStatus.RUNNING

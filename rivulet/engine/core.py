@@ -12,7 +12,7 @@ stop checks, detokenization and message encoding of step N overlap it. Step N+1 
 before step N's tokens are known: each running request gets one token whose input is the one
 step N samples (the runner has it; the scheduler counts it as a placeholder). Greedy outputs
 are the synchronous loop's; a request that step N finishes wastes its slot in step N+1.
-With a draft-token proposer the loop runs synchronously (drafts need the last token).
+With speculative decoding the loop runs synchronously (drafts need the last token).
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max_model_len %d", num_blocks, bs,
                     num_blocks * bs, num_blocks * self.executor.kv_bytes_per_block() / 2**20, model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        spec = config.speculative
+        # a draft model writes its guesses after a sampling step's tokens: room for them
+        lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, lookahead)
         # the tokenizer lives with the front end; the config files give the end-of-sequence ids here
         self.eos_token_ids = eos_token_ids(source, arch.eos_token_ids, None)
         self.executor.set_eos_token_ids(self.eos_token_ids)
@@ -77,9 +80,11 @@ class EngineCore:
             use_async = current_platform().computes_apart_from_host
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-step") if use_async else None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
-        # draft tokens for a decoding request (k-token steps): speculative decoding's proposer, or a test's
-        spec = config.speculative
-        self.proposer: Callable[[Request], list[int]] | None = NgramProposer(spec) if spec else None
+        # draft tokens for a decoding request (k-token steps): the n-gram proposer (or a test's) here, before
+        # each schedule; a draft model's come with each step's output from the runner
+        self.speculative = spec is not None
+        self.proposer: Callable[[Request], list[int]] | None = \
+            NgramProposer(spec) if spec and spec.method == "ngram" else None
         self.spec_disable_batch_size = spec.disable_by_batch_size if spec else None
         self.spec_stats = SpecDecodeStats()
 
@@ -90,7 +95,7 @@ class EngineCore:
     def get_stats(self) -> dict[str, Any]:
         """A snapshot for metrics: the scheduler's, the cache size, and speculative decoding's counters."""
         stats = dataclasses.asdict(self.scheduler.get_stats()) | {"num_blocks": self.num_blocks}
-        if self.proposer is not None:
+        if self.speculative or self.proposer is not None:
             stats |= {f"spec_decode_{k}": v for k, v in dataclasses.asdict(self.spec_stats).items()}
         return stats
 
@@ -121,7 +126,7 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """Outputs of one step: the one just run (synchronous), or the one that was in flight (async;
         the first call of a run returns nothing and leaves its step running)."""
-        if self._pool is None or self.proposer is not None:
+        if self._pool is None or self.speculative or self.proposer is not None:
             if self._in_flight is not None:  # switching to the synchronous loop: finish the step in flight
                 return self._finish(*self._take_in_flight())
             self._propose()
@@ -164,6 +169,10 @@ class EngineCore:
             if got:
                 self.spec_stats.observe(len(spec), len(got) - 1)
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        for rid, drafts in result.draft_token_ids.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = drafts
         if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
                 and self.scheduler.has_finished_to_report():
             self.executor.execute(self.scheduler.schedule())  # idle now: the runner drops the last rows

@@ -131,7 +131,6 @@ class InputBatch:
         n = np.fromiter(out.num_scheduled_tokens.values(), np.int64, s)
         qsl = np.zeros(s + 1, np.int64)
         np.cumsum(n, out=qsl[1:])
-        t = int(qsl[-1])
         starts = self.num_computed[rows]
         seq_lens = starts + n
         num_drafts = np.zeros(s, np.int64)
@@ -141,24 +140,38 @@ class InputBatch:
                 d = out.scheduled_spec_tokens.get(rid)
                 if d:  # written after the known tokens, where the accepted ones will land
                     row = int(rows[i])
-                    self._ensure_len(int(self.num_tokens[row]) + len(d) + 1)
-                    self.token_ids[row, self.num_tokens[row]:self.num_tokens[row] + len(d)] = d
+                    self.write_ahead(row, int(self.num_tokens[row]), d)
                     drafts[i], num_drafts[i] = list(d), len(d)
         if (seq_lens > self.num_tokens[rows] + num_drafts).any() or \
                 ((num_drafts > 0) & (seq_lens != self.num_tokens[rows] + num_drafts)).any():
             raise ValueError("a request is scheduled past its known tokens")
         if (seq_lens > self.num_blocks[rows] * self.block_size).any():
             raise ValueError("a request is scheduled past the blocks it holds")
+        sample = seq_lens >= self.num_tokens[rows] + num_drafts
+        num_logits = np.where(sample, num_drafts + 1, 0)
+        cum = np.cumsum(num_logits)
+        logits_indices = np.repeat(qsl[1:] - cum, num_logits) + np.arange(int(cum[-1]))  # the last L of each
+        flat = self.gather(rows, starts, n, qsl, logits_indices)
+        return StepInputs(flat, req_ids, rows, qsl, starts, sample, num_logits, drafts)
+
+    def gather(self, rows: np.ndarray, starts: np.ndarray, n: np.ndarray, qsl: np.ndarray | None = None,
+               logits_indices: np.ndarray | None = None) -> FlatBatch:
+        """The flat batch of tokens [starts, starts + n) of each of `rows`, read from `token_ids` (past a
+        row's known tokens: whatever was written there, draft tokens); logits of each row's last token
+        unless `logits_indices` says otherwise. The rows must hold blocks for those positions."""
+        if qsl is None:
+            qsl = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(n, out=qsl[1:])
+        if logits_indices is None:
+            logits_indices = qsl[1:] - 1
+        t = int(qsl[-1])
+        seq_lens = starts + n
         tok_rows = np.repeat(rows, n)
         positions = np.arange(t) - np.repeat(qsl[:-1] - starts, n)
         input_ids = self.token_ids[tok_rows, positions]
         bs = self.block_size
         slots = self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(self.num_blocks[rows].max())
-        sample = seq_lens >= self.num_tokens[rows] + num_drafts
-        num_logits = np.where(sample, num_drafts + 1, 0)
-        cum = np.cumsum(num_logits)
-        logits_indices = np.repeat(qsl[1:] - cum, num_logits) + np.arange(int(cum[-1]))  # the last L of each
         dev = self.device
 
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -168,9 +181,13 @@ class InputBatch:
         meta = build_attention_metadata(layout, tensor(slots, torch.int64),
                                         tensor(self.block_table[rows, :width], torch.int32),
                                         tensor(qsl, torch.int32), tensor(seq_lens, torch.int32))
-        flat = FlatBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
+        return FlatBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
                          tensor(logits_indices, torch.int64), layout)
-        return StepInputs(flat, req_ids, rows, qsl, starts, sample, num_logits, drafts)
+
+    def write_ahead(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Put tokens at positions start.. of `row` without making them known (draft tokens)."""
+        self._ensure_len(start + len(token_ids) + 1)
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
 
     # ---- growth ----
 

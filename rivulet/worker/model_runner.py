@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from rivulet.compilation import CompiledForward
-from rivulet.config import CacheConfig, ModelConfig, RivuletError
+from rivulet.config import CacheConfig, ModelConfig, RivuletError, SpeculativeConfig
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
@@ -18,6 +18,7 @@ from rivulet.models.loader import ModelSource, load_model
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
 from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
+from rivulet.worker.draft_runner import DraftRunner
 from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
@@ -40,7 +41,8 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.platform = current_platform()
         self.device = self.platform.device
         self.dtype = resolve_dtype(model_config.dtype)
@@ -70,16 +72,22 @@ class ModelRunner:
                 raise RivuletError("--compilation-level 1 runs on one rank only (for now); use 0 with parallelism")
             self.forward_fn = CompiledForward(self.model)
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
+        self.drafter = None  # speculative decoding's draft model: proposes after each sampling step
+        if speculative is not None and speculative.method == "draft_model":
+            self.drafter = DraftRunner(speculative, model_config, self.dtype, self.device, self.arch, self.max_model_len)
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
         self.eos_token_ids = set(ids)
 
     # ---- KV cache ----
 
+    def _kv_layers(self) -> list[Attention]:
+        """Layers with a KV cache: the model's, then the draft model's (which shares the block ids)."""
+        return self.attn_layers + (self.drafter.attn_layers if self.drafter is not None else [])
+
     def kv_bytes_per_block(self) -> int:
-        a = self.attn_layers[0]
-        per_layer = 2 * self.cache_config.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        return per_layer * len(self.attn_layers)
+        bs, size = self.cache_config.block_size, self.dtype.itemsize
+        return sum(2 * bs * a.num_kv_heads * a.head_dim * size for a in self._kv_layers())
 
     def num_blocks_for_budget(self) -> int:
         """Blocks that fit the configured KV memory (or a share of the free memory)."""
@@ -96,7 +104,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         bs = self.cache_config.block_size
         self.kv_caches = []
-        for a in self.attn_layers:
+        for a in self._kv_layers():
             cache = self.platform.zeros((2, num_blocks, bs, a.num_kv_heads, a.head_dim), self.dtype)
             a.kv_cache = cache
             self.kv_caches.append(cache)
@@ -153,6 +161,8 @@ class ModelRunner:
         requests that sample (one row each, k + 1 for a request with k draft tokens, in batch order),
         or None when none does. `sample_tokens` must follow before the next step."""
         self.batch.update(out, self.eos_token_ids)
+        if self.drafter is not None:
+            self.drafter.update(out)
         self._pending = None
         if out.is_empty:
             return None
@@ -179,6 +189,9 @@ class ModelRunner:
             if grammar_bitmask is not None:
                 logits = apply_token_bitmask(logits, grammar_bitmask)
             self._sample(step, logits, result)
+            if self.drafter is not None:
+                result.draft_token_ids = self.drafter.propose(self.batch, list(result.sampled_token_ids),
+                                                              self.eos_token_ids)
         lp_rows = self.batch.sampling.prompt_logprobs[step.rows]
         for i in np.flatnonzero((lp_rows >= 0) & (step.starts < self.batch.num_prompt[step.rows])).tolist():
             q0, q1 = int(step.query_start[i]), int(step.query_start[i + 1])

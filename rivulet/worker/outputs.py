@@ -23,3 +23,5 @@ class ModelRunnerOutput:
     # (first prompt position covered this step, one entry per position); the entry of position 0
     # is None (nothing predicts the first token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs | None]]] = field(default_factory=dict)
+    # a draft model's guesses of each request's next tokens, for the next step to verify
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

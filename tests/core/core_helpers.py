@@ -34,6 +34,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 128,
     prefix_caching: bool = True,
+    num_lookahead_tokens: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     cfg = SchedulerConfig(
@@ -41,7 +42,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    return Scheduler(cfg, kv)
+    return Scheduler(cfg, kv, num_lookahead_tokens)
 
 
 def det_token(rid: str, token_ids: list[int]) -> int:

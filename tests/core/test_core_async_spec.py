@@ -96,14 +96,15 @@ def oracle(rid: str, tokens: list[int], k: int) -> list[int]:
 @pytest.mark.parametrize("num_blocks", [64, 16])
 def test_draft_tokens_give_the_plain_tokens(seed: int, num_blocks: int) -> None:
     """Drafts right, wrong, or right then wrong: the output is the model's own, and rejected
-    drafts are taken back (the fake runner checks the KV of every position it attends to)."""
+    drafts are taken back (the fake runner checks the KV of every position it attends to). Odd
+    seeds also leave a draft model's lookahead slots (more preemption with few blocks)."""
     reqs = workload(seed)
     plain = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=16)
     add_all(plain, reqs)
     want, _, _ = run_all(plain, FakeRunner(plain.kv_cache_manager))
 
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=16)
+    sched = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=16, num_lookahead_tokens=4 * (seed % 2))
     add_all(sched, reqs)
     runner = FakeRunner(sched.kv_cache_manager)
     tokens: dict[str, list[int]] = {}
@@ -161,4 +162,29 @@ def test_too_many_tokens_from_the_runner_is_an_error() -> None:
     out = sched.schedule()
     [o] = sched.update_from_output(out, {"a": [7, 8]})
     assert o.finish_reason == "error" and "2 tokens for 0 drafts" in o.error
+    check_all_free(sched)
+
+
+def test_lookahead_slots_follow_sampling_steps_only() -> None:
+    """With a draft model the scheduler leaves k slots after a step that samples (where the draft writes
+    its guesses), none after a prefill chunk, and never past max_model_len."""
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8, num_lookahead_tokens=3, max_model_len=24)
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("a", list(range(2, 14)), max_tokens=12))  # 12 tokens: chunks of 8 and 4
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 8} and len(kv.get_block_ids("a")) == 2  # a chunk: no lookahead
+    sched.update_from_output(out, {})
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 4} and len(kv.get_block_ids("a")) == 4  # 12 + 3 slots
+    sched.update_from_output(out, {"a": [30]})
+    r = sched.requests["a"]
+    steps = 0
+    while r.status == RequestStatus.RUNNING:
+        r.spec_token_ids = [31, 32, 33]
+        out = sched.schedule()
+        assert len(kv.get_block_ids("a")) == -(-min(r.num_computed_tokens + 3, 24) // 4)
+        sched.update_from_output(out, {"a": [31, 32, 33, 34][:out.num_scheduled_tokens["a"]]})
+        steps += 1
+    assert steps == 3  # 1 + 4 + 4 + 3 outputs
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 24
     check_all_free(sched)

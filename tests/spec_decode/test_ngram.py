@@ -71,9 +71,16 @@ def test_speculative_config_follows_vllm_and_rejects_bad_input():
     assert SpeculativeConfig().prompt_lookup_min == SpeculativeConfig().prompt_lookup_max == 5
     config = EngineArgs(speculative_config={"num_speculative_tokens": 2}).create_engine_config()
     assert type(config).from_json(config.to_json()) == config
-    for bad, words in [('{"method": "draft_model", "model": "x"}', "draft model is not supported yet"),
+    d = SpeculativeConfig.parse({"model": "default", "num_speculative_tokens": 4, "quantization": "int4"})
+    assert (d.method, d.model, d.quantization, d.prompt_lookup_min) == ("draft_model", "default", "int4", None)
+    config = EngineArgs(speculative_config={"model": "/m", "disable_by_batch_size": 4}).create_engine_config()
+    assert type(config).from_json(config.to_json()) == config
+    for bad, words in [('{"method": "draft_model"}', "draft_model needs \"model\""),
+                       ('{"method": "ngram", "model": "x"}', "are for method draft_model"),
+                       ('{"model": "x", "prompt_lookup_max": 3}', "are for method ngram"),
+                       ('{"model": "x", "quantization": "fp8"}', "quantization must be int8 or int4"),
                        ('{"num_speculative_tokens": 2, "k": 1}', "unknown key(s) k"),
-                       ('{"method": "eagle"}', "method must be one of ngram"),
+                       ('{"method": "eagle"}', "method must be one of ngram, draft_model"),
                        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be"),
                        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
                        ('{"disable_by_batch_size": 0}', "disable_by_batch_size must be"),

@@ -158,16 +158,18 @@ def test_sampling_with_drafts_keeps_the_distribution(tiny_model_dir):
     llm.shutdown()
 
 
-def test_ngram_with_tensor_parallelism(tiny_model_dir):
-    """Drafts reach every rank with the step (the whole SchedulerOutput is broadcast): TP=2 with drafts
-    gives the single rank's tokens."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_tensor_parallelism(method, tiny_model_dir):
+    """Drafts reach every rank with the step (the whole SchedulerOutput is broadcast; a draft model runs
+    sharded on every rank like the target): TP=2 with drafts gives the single rank's tokens."""
     path, _ = tiny_model_dir("qwen2")
+    spec = NGRAM if method == "ngram" else {"model": str(path), "num_speculative_tokens": 3}
     prompts = _repeating_prompts(256, 6, seed=3)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(str(path), dtype="float32", max_model_len=128)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     plain.shutdown()
-    llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2, speculative_config=NGRAM)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
     assert llm.engine.core.get_stats()["spec_decode_num_accepted_tokens"] > 0
     llm.shutdown()

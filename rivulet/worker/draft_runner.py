@@ -1,0 +1,127 @@
+"""The draft-model proposer: a smaller model with the target's tokenizer that guesses, right after each
+step's sampling, the next k tokens of every request that sampled (`--speculative-config
+'{"model": PATH, "num_speculative_tokens": k}'`). The next step verifies them (k-token steps).
+
+Its KV cache uses the target's blocks: the same block ids and block tables, its own tensors, sized
+into the same memory budget. So the scheduler's allocation, preemption, prefix caching and freeing
+cover the draft's KV with no bookkeeping of its own; the scheduler allocates k lookahead slots after a
+sampling step, where the draft writes its guesses.
+
+Per request the draft remembers up to where its KV is right (`valid`) and which guesses it wrote
+from there. At the next proposal the request's real tokens show how many of those guesses were
+right; the draft computes the rest of its tokens (1 or 2 after a verify step, the whole prompt
+after the first prefill) in one forward pass, whose last logits give draft 1, then one token per
+forward pass for drafts 2..k. Drafts are the draft model's greedy tokens: a deterministic guess,
+which the runner's verification keeps with exactly the target's probability (see
+`ModelRunner._sample`). KV in prefix-cache hits is trusted: it was computed for the same tokens
+unless the draft skipped them (`disable_by_batch_size`), which costs acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from rivulet.config import ModelConfig, RivuletError, SpeculativeConfig
+from rivulet.core.outputs import SchedulerOutput
+from rivulet.distributed import get_parallel_state
+from rivulet.layers.attention import Attention
+from rivulet.models.arch_config import ArchConfig
+from rivulet.models.loader import load_model, resolve_model
+from rivulet.platforms import current_platform
+from rivulet.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class DraftRunner:
+    def __init__(self, spec: SpeculativeConfig, model_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, target: ArchConfig, max_model_len: int) -> None:
+        assert spec.model is not None
+        if get_parallel_state().pp_size > 1:
+            raise RivuletError("speculative decoding with a draft model runs without pipeline parallelism")
+        cfg = dataclasses.replace(model_config, model=spec.model, tokenizer=None, quantization=spec.quantization)
+        try:
+            source = resolve_model(spec.model)
+        except RivuletError as e:
+            raise RivuletError(f"speculative_config draft {e}") from None
+        self.model, self.arch = load_model(cfg, source, dtype, device)
+        current_platform().place_module(self.model)
+        if self.arch.vocab_size > target.vocab_size:
+            raise RivuletError(f"the draft model's vocabulary ({self.arch.vocab_size}) is larger than the target's "
+                               f"({target.vocab_size}): it needs the target's tokenizer")
+        if self.arch.max_position_embeddings < max_model_len:
+            raise RivuletError(f"the draft model's context ({self.arch.max_position_embeddings}) is shorter than "
+                               f"max_model_len {max_model_len}")
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.k = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.max_model_len = max_model_len
+        # request id -> (draft KV right below this position, guesses written from there)
+        self._state: dict[str, tuple[int, list[int]]] = {}
+        logger.info("draft model %s: %d layers, %d proposals per step", spec.model, len(self.attn_layers), self.k)
+
+    def __len__(self) -> int:
+        """Requests the draft keeps state for (for tests of memory release)."""
+        return len(self._state)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Follow the batch: drop finished and preempted requests, start new ones at their prefix hit."""
+        for rid in out.finished_request_ids | out.preempted_request_ids:
+            self._state.pop(rid, None)
+        for new in out.new_requests:
+            self._state[new.request_id] = (new.num_computed_tokens, [])
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, req_ids: list[str], eos_token_ids: set[int]) -> dict[str, list[int]]:
+        """Up to k greedy draft tokens after the known tokens of each of `req_ids` (requests that just
+        sampled), as many as max_tokens, max_model_len and the row's blocks leave room for."""
+        if self.disable_by_batch_size is not None and len(batch) > self.disable_by_batch_size:
+            return {}
+        ids, rows, starts, depth = [], [], [], []
+        for rid in req_ids:
+            row = batch.row_of[rid]
+            n = int(batch.num_tokens[row])
+            valid, written = self._state[rid]
+            m = min(len(written), n - valid)
+            right = np.asarray(written[:m]) == batch.token_ids[row, valid:valid + m]
+            f = min(valid + (int(np.argmin(right)) if not right.all() else m), n - 1)
+            self._state[rid] = (f, [])
+            params = batch.params(row)
+            room = self.max_model_len - n
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - (n - int(batch.num_prompt[row])))
+            d = min(self.k, room - 1, int(batch.num_blocks[row]) * batch.block_size - n + 1)
+            if d < 1 or (not params.ignore_eos and int(batch.token_ids[row, n - 1]) in eos_token_ids):
+                continue
+            ids.append(rid)
+            rows.append(row)
+            starts.append(f)
+            depth.append(d)
+        if not ids:
+            return {}
+        rows_np, depth_np = np.array(rows, np.int64), np.array(depth, np.int64)
+        ends = batch.num_tokens[rows_np]
+        drafts = np.zeros((len(ids), int(depth_np.max())), np.int64)
+        starts_np = np.array(starts, np.int64)
+        active = np.arange(len(ids))
+        for j in range(drafts.shape[1]):  # j = 0: catch up to the last known token; then one guess per pass
+            s = starts_np[active] if j == 0 else ends[active] + j - 1
+            n = ends[active] - s if j == 0 else np.ones(len(active), np.int64)
+            flat = batch.gather(rows_np[active], s, n)
+            hidden = self.model(flat.input_ids, flat.positions, flat.meta)
+            drafts[active, j] = self.model.compute_logits(hidden[flat.logits_indices]).argmax(-1).cpu().numpy()
+            for i in active.tolist():
+                batch.write_ahead(rows[i], int(ends[i]) + j, [int(drafts[i, j])])
+            active = active[depth_np[active] > j + 1]
+            if not active.size:
+                break
+        out = {}
+        for i, rid in enumerate(ids):
+            guess = drafts[i, :depth[i]].tolist()
+            out[rid] = guess
+            self._state[rid] = (int(ends[i]), guess[:-1])  # the last guess was never an input
+        return out
