@@ -61,7 +61,7 @@ class EngineArgs:
         "with PP: micro-batches per step in flight through the stages (default: 1)"))
     speculative_config: dict | str | None = field(default=None, metadata=_opt(
         "speculative decoding as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-        "\"prompt_lookup_max\": 4}'", type=str))
+        "\"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 4}'", type=str))
 
     @classmethod
     def names(cls) -> set[str]:
