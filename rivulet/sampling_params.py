@@ -8,9 +8,11 @@ checks that need the vocabulary size.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from numbers import Real
+from typing import Any
 
 from rivulet.config import RivuletError
 
@@ -32,6 +34,55 @@ def _is_int(value: object) -> bool:
 def _is_real(value: object) -> bool:
     """True for a finite real number (``bool`` is not accepted as one)."""
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``); exactly one of:
+    ``json`` (a JSON schema, dict or string), ``json_object`` (any JSON object), ``regex``,
+    ``choice`` (one of these strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF).
+    Checked here for shape; the grammar itself is checked when the request is validated
+    (`rivulet.structured.check`)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise RivuletError("structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                               f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            raise RivuletError(f"structured outputs: json must be a JSON schema (object or string), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RivuletError(f"structured outputs: {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise RivuletError(f"structured outputs: choice must be a non-empty list of non-empty strings, "
+                               f"got {self.choice!r}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar compiler takes, and the cache key of its result."""
+        if self.json is not None:
+            return "json", self.json
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        assert self.grammar is not None
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -64,8 +115,16 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise RivuletError(f"structured_outputs: unknown key(s) {', '.join(sorted(unknown))}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RivuletError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         self._validate_counts()
         self._validate_sampling()
         self._validate_penalties()

@@ -58,6 +58,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: set[str] = field(default_factory=set)
+    # structured output: int32 [logits rows, ceil(vocab / 32)] as bytes (bit j of word w allows token
+    # 32w + j), one row per logits row of the step in batch order; None when no row is constrained
+    grammar_bitmask: bytes | None = None
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property

@@ -29,11 +29,12 @@ from rivulet.core import KVCacheManager, Request, Scheduler
 from rivulet.core.outputs import EngineCoreOutput, SchedulerOutput
 from rivulet.core.request import Request, RequestStatus
 from rivulet.engine.outputs import ModelInfo, StepOutput
-from rivulet.engine.tokenizer import eos_token_ids
+from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
 from rivulet.executor import make_executor
 from rivulet.models.loader import ModelSource
 from rivulet.platforms import current_platform
 from rivulet.spec_decode import NgramProposer, SpecDecodeStats
+from rivulet.structured import StructuredOutputManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class EngineCore:
             NgramProposer(spec) if spec and spec.method == "ngram" else None
         self.spec_disable_batch_size = spec.disable_by_batch_size if spec else None
         self.spec_stats = SpecDecodeStats()
+        # structured output: requests wait here while their grammar compiles, then join the scheduler
+        self.structured = StructuredOutputManager(lambda: load_tokenizer(source, config.model.tokenizer),
+                                                  arch.vocab_size)
 
     def model_info(self) -> ModelInfo:
         arch = self.executor.arch_config
@@ -108,40 +112,51 @@ class EngineCore:
             self._in_flight = None
         if self._pool is not None:
             self._pool.shutdown()
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        params = request.sampling_params
+        if params is not None and params.structured_outputs is not None:
+            self.structured.submit(request)  # to the scheduler once its grammar is compiled
+        else:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, ids: list[str]) -> None:
+        self.structured.abort(ids)
         self.scheduler.abort_requests(ids)
 
     def finish_requests(self, ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests left, or a step still running (its outputs are due)."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests left (some perhaps waiting for their grammar), or a step still running (its outputs are due)."""
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or self.structured.num_waiting > 0)
 
     def step(self) -> list[StepOutput]:
         """Outputs of one step: the one just run (synchronous), or the one that was in flight (async;
         the first call of a run returns nothing and leaves its step running)."""
-        if self._pool is None or self.speculative or self.proposer is not None:
+        failed = self._admit_compiled() if self.structured.num_waiting else []
+        if self._pool is None or self.speculative or self.proposer is not None or self._constrained():
             if self._in_flight is not None:  # switching to the synchronous loop: finish the step in flight
-                return self._finish(*self._take_in_flight())
+                return failed + self._finish(*self._take_in_flight())
+            if not self.scheduler.has_unfinished_requests():
+                return failed
             self._propose()
             sched = self.scheduler.schedule()
-            return self._finish(sched, self.executor.execute(sched))
+            sched.grammar_bitmask = self.structured.bitmask(sched, self.scheduler.requests)
+            return failed + self._finish(sched, self.executor.execute(sched))
         nxt = None
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
             nxt = (sched, self._pool.submit(self.executor.execute, sched))
         if self._in_flight is None:
             self._in_flight = nxt
-            return []
+            return failed
         done = self._take_in_flight()
         self._in_flight = nxt
-        return self._finish(*done)
+        return failed + self._finish(*done)
 
     def drain(self) -> list[StepOutput]:
         """Wait for the step in flight, if any, and return its outputs (async scheduling)."""
@@ -153,6 +168,23 @@ class EngineCore:
         self._in_flight = None
         return sched, fut.result()
 
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Queue the requests whose grammar is ready; error outputs for those whose grammar failed.
+        An engine with nothing else to do waits a little for a grammar instead of spinning."""
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        ready, failed = self.structured.take_ready(wait_s=0.05 if idle else 0.0)
+        outs = [StepOutput(EngineCoreOutput(req.request_id, [], "error", error=msg)) for req, msg in failed]
+        for req in ready:
+            try:
+                self.scheduler.add_request(req)
+            except ValueError as e:
+                outs.append(StepOutput(EngineCoreOutput(req.request_id, [], "error", error=str(e))))
+        return outs
+
+    def _constrained(self) -> bool:
+        """Some request has a grammar: its next mask needs this step's tokens, so steps run in turn."""
+        return any(r.grammar is not None for r in self.scheduler.requests.values())
+
     def _propose(self) -> None:
         if self.proposer is None:
             return
@@ -160,7 +192,8 @@ class EngineCore:
         if limit is not None and len(self.scheduler.running) > limit:
             return
         for req in self.scheduler.running:
-            if req.num_tokens - req.num_computed_tokens == 1 and not req.num_output_placeholders:
+            if req.num_tokens - req.num_computed_tokens == 1 and not req.num_output_placeholders \
+                    and req.grammar is None:  # no drafts under a grammar (its matcher cannot follow them yet)
                 req.spec_token_ids = list(self.proposer(req))
 
     def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
@@ -168,10 +201,15 @@ class EngineCore:
             got = result.sampled_token_ids.get(rid)
             if got:
                 self.spec_stats.observe(len(spec), len(got) - 1)
+        if sched.grammar_bitmask is not None:
+            for rid, toks in result.sampled_token_ids.items():
+                req = self.scheduler.requests.get(rid)
+                if req is not None and req.grammar is not None:
+                    self.structured.accept(req, toks)
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         for rid, drafts in result.draft_token_ids.items():
             req = self.scheduler.requests.get(rid)
-            if req is not None and req.status == RequestStatus.RUNNING:
+            if req is not None and req.status == RequestStatus.RUNNING and req.grammar is None:
                 req.spec_token_ids = drafts
         if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
                 and self.scheduler.has_finished_to_report():

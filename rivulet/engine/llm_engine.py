@@ -22,7 +22,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
         info = self.core.model_info()
         info.eos_token_ids |= eos_token_ids(self.source, [], self.tokenizer)
-        self.processor = RequestProcessor(self.tokenizer, info)
+        self.processor = RequestProcessor(self.tokenizer, info, check_grammars=True)
         self._ids = itertools.count()
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,

@@ -33,8 +33,11 @@ class _Sample:
 
 
 class RequestProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, info: ModelInfo) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, info: ModelInfo,
+                 check_grammars: bool = False) -> None:
         self.tokenizer = tokenizer
+        # parse structured-output grammars here (in-process engines; xgrammar loads torch), else the core does
+        self.check_grammars = check_grammars
         self.vocab_size = info.vocab_size
         self.max_model_len = info.max_model_len
         self.eos_token_ids = info.eos_token_ids
@@ -69,6 +72,7 @@ class RequestProcessor:
         self.requests[request_id] = RequestOutput(request_id, text, ids, outputs,
                                                   [None] * len(ids) if params.prompt_logprobs is not None else None)
         core_requests = []
+        so = params.structured_outputs is not None  # a grammar ends at EOS, ignore_eos or not
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
@@ -77,7 +81,7 @@ class RequestProcessor:
             detok = IncrementalDetokenizer.from_params(self.tokenizer, ids, p) if self.tokenizer else None
             self._samples[cid] = _Sample(request_id, i, detok, outputs[i])
             core_requests.append(Request(
-                cid, ids, max_tokens, () if p.ignore_eos else self.eos_token_ids, p.stop_token_ids or (),
+                cid, ids, max_tokens, () if p.ignore_eos and not so else self.eos_token_ids, p.stop_token_ids or (),
                 p.min_tokens, priority, sampling_params=p, use_prefix_cache=p.prompt_logprobs is None))
         return core_requests
 
@@ -88,6 +92,13 @@ class RequestProcessor:
         if bad:
             raise RivuletError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         params.validate_for_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise RivuletError("structured output needs the model's tokenizer")
+            if self.check_grammars:
+                from rivulet.structured import check
+
+                check(params.structured_outputs)
         want = len(ids) + (params.max_tokens or 1)
         if len(ids) >= self.max_model_len or want > self.max_model_len:
             raise RivuletError(

@@ -151,9 +151,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One whole step: `execute_model` then `sample_tokens`."""
+        """One whole step: `execute_model` then `sample_tokens` (with the step's grammar bitmask)."""
         self.execute_model(out)
-        return self.sample_tokens()
+        mask = None
+        if out.grammar_bitmask is not None:
+            mask = torch.frombuffer(bytearray(out.grammar_bitmask), dtype=torch.int32)
+            mask = mask.view(-1, (self.arch.vocab_size + 31) // 32)
+        return self.sample_tokens(mask)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor | None:

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from rivulet.sampling_params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams
+from rivulet.config import RivuletError
+from rivulet.sampling_params import (MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams,
+                                     StructuredOutputsParams)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # OpenAI's own limit on choices per request
@@ -58,6 +60,30 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
 class SamplingFields(OpenAIRequest):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
@@ -83,6 +109,43 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int64 = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one grammar these fields ask for (RivuletError naming the field when it is malformed)."""
+        guided = {k: v for k, v in [("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)] if v is not None}
+        rf = self.response_format if self.response_format and self.response_format.type != "text" else None
+        given = [name for name, v in [("response_format", rf), ("structured_outputs", self.structured_outputs),
+                                      ("guided_*", guided)] if v]
+        if len(given) > 1:
+            raise RivuletError(f"give one of {' and '.join(given)}, not both")
+        try:
+            if rf is not None:
+                field = "response_format"
+                if rf.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                assert rf.json_schema is not None
+                return StructuredOutputsParams(json=rf.json_schema.schema_ or {})
+            if self.structured_outputs:
+                field = "structured_outputs"
+                unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+                if unknown:
+                    raise RivuletError(f"unknown key(s) {', '.join(sorted(unknown))} "
+                                       "(known: json, regex, choice, grammar, json_object)")
+                return StructuredOutputsParams(**self.structured_outputs)
+            if guided:
+                field = "guided_" + "/".join(guided)
+                return StructuredOutputsParams(**guided)
+        except RivuletError as e:
+            raise RivuletError(f"{field}: {e}") from None
+        return None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The ``SamplingParams`` arguments these fields give (defaults where a field is null)."""
@@ -103,6 +166,7 @@ class SamplingFields(OpenAIRequest):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured(),
         )
 
     @property

@@ -1,0 +1,135 @@
+"""Grammars of the engine's constrained requests: compiled in a thread, matched per request, one token
+bitmask per step.
+
+`submit` starts a request's grammar (checked and compiled in a worker thread, cached by grammar, so
+the engine loop never waits for xgrammar); `take_ready` hands over the requests whose grammar is
+ready, each with its own `GrammarMatcher` in `Request.grammar`, and the ones that failed (a bad
+grammar, or longer than `timeout_s`) with their error. Each step `bitmask` gives the allowed tokens
+of every logits row of the step (all ones for unconstrained rows) and `accept` advances a request's
+matcher by the tokens it kept. A matcher reaches its end only through a stop token (EOS), which the
+request always stops at.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from rivulet.config import RivuletError
+from rivulet.core.outputs import SchedulerOutput
+from rivulet.core.request import Request
+from rivulet.sampling_params import StructuredOutputsParams
+from rivulet.structured.grammar import check, compile_grammar
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept
+
+
+class StructuredOutputManager:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, timeout_s: float = 60.0) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-grammar")
+        self._compiler: Any = None  # built in the pool's thread on first use
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._waiting: dict[str, tuple[Request, Future, float]] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- compiling ----
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        check(params)
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return compile_grammar(self._compiler, params)
+
+    def submit(self, req: Request) -> None:
+        params = req.sampling_params.structured_outputs
+        key = params.key
+        fut = self._cache.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self._cache[key] = self._pool.submit(self._compile, params)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        self._waiting[req.request_id] = (req, fut, time.monotonic())
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._waiting.pop(rid, None)
+
+    def take_ready(self, wait_s: float = 0.0) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(requests whose matcher is ready, (request, error) of those that failed); with `wait_s`,
+        waits that long for a first grammar when nothing is ready yet (an otherwise idle engine)."""
+        if wait_s > 0 and self._waiting:
+            wait([f for _, f, _ in self._waiting.values()], timeout=wait_s, return_when=FIRST_COMPLETED)
+        ready, failed = [], []
+        now = time.monotonic()
+        for rid, (req, fut, since) in list(self._waiting.items()):
+            if not fut.done():
+                if now - since > self.timeout_s:
+                    del self._waiting[rid]
+                    failed.append((req, f"structured output: the grammar did not compile within {self.timeout_s:.0f} s"))
+                continue
+            del self._waiting[rid]
+            err = fut.exception()
+            if err is not None:
+                msg = str(err) if isinstance(err, RivuletError) else f"structured output: {type(err).__name__}: {err}"
+                failed.append((req, msg))
+                continue
+            import xgrammar as xgr
+
+            req.grammar = xgr.GrammarMatcher(fut.result())
+            ready.append(req)
+        return ready, failed
+
+    # ---- each step ----
+
+    def bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> bytes | None:
+        """int32 [logits rows, ceil(vocab / 32)] as bytes, rows in the runner's order (each sampling
+        request, 1 + its drafts rows); None when no row is constrained."""
+        rows: list[Any] = []
+        for rid in out.num_scheduled_tokens:
+            if rid in out.sampling_request_ids:
+                req = requests.get(rid)
+                grammar = req.grammar if req is not None else None
+                rows.append(grammar)
+                rows += [None] * len(out.scheduled_spec_tokens.get(rid, ()))
+        if not any(g is not None for g in rows):
+            return None
+        import torch
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
+        for i, g in enumerate(rows):
+            if g is not None and not g.is_terminated():
+                g.fill_next_token_bitmask(mask, i)
+        assert mask.dtype == torch.int32
+        return mask.numpy().tobytes()
+
+    @staticmethod
+    def accept(req: Request, token_ids: list[int]) -> None:
+        """Advance `req`'s matcher by the tokens it kept this step (a token the mask allowed)."""
+        for t in token_ids:
+            if req.grammar.is_terminated():
+                return
+            if not req.grammar.accept_token(t):
+                logger.error("request %s: token %d does not fit its grammar", req.request_id, t)
+                return
