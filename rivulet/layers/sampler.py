@@ -31,12 +31,14 @@ generator for the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from rivulet.kernels.ops import get_op
 from rivulet.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -256,11 +258,14 @@ def gather_logprobs(
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where a row's bitmask (int32 [rows, ceil(vocab / 32)]) has a 0 bit: bit j of word w is token 32w + j."""
-    vocab = logits.shape[-1]
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
-    return logits.masked_fill(~allowed, _NEG_INF)
+    """-inf where a row's bitmask (int32 [rows, ceil(vocab / 32)]) has a 0 bit: bit j of word w is token
+    32w + j. In place (the platform's kernel: C++ on CPU); returns `logits`."""
+    return _bitmask_op()(logits, bitmask)
+
+
+@functools.cache
+def _bitmask_op() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return get_op("apply_token_bitmask")  # type: ignore[return-value]
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

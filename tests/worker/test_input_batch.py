@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rivulet.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from rivulet.kernels.ops import get_op
 from rivulet.layers.sampler import SamplingMetadata, apply_token_bitmask
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker.batch import SeqChunk, build_flat_batch
@@ -192,13 +193,17 @@ def test_all_greedy_metadata_builds_no_optional_tensor() -> None:
     assert optional == ["temperature"]
 
 
-def test_token_bitmask_masks_exactly_the_zero_bits() -> None:
-    vocab = 70  # three words, the last one partly past the vocabulary
-    allowed = torch.rand(3, vocab, generator=torch.Generator().manual_seed(0)) < 0.3
-    words = torch.zeros(3, 3, dtype=torch.int64)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_token_bitmask_masks_exactly_the_zero_bits(backend: str) -> None:
+    vocab = 70  # three words, the last one partly past the vocabulary; row 3 allows everything
+    allowed = torch.rand(4, vocab, generator=torch.Generator().manual_seed(0)) < 0.3
+    allowed[3] = True
+    words = torch.zeros(4, 3, dtype=torch.int64)
     for t in range(vocab):
         words[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    words[3, 2] = 2**32 - 1  # bits past the vocabulary set too
     bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    logits = torch.randn(3, vocab)
-    out = apply_token_bitmask(logits, bitmask)
+    logits = torch.randn(4, vocab)
+    out = get_op("apply_token_bitmask", backend)(logits.clone(), bitmask)
     assert torch.equal(out[allowed], logits[allowed]) and bool((out[~allowed] == float("-inf")).all())
+    assert torch.equal(apply_token_bitmask(logits.clone(), bitmask), out)  # the platform's choice agrees

@@ -705,7 +705,37 @@ TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
 }
 
+// logits [R, V] float32, in place: -inf where bit (t % 32) of word t / 32 of the row's int32 bitmask
+// [R, ceil(V / 32)] is 0 (structured output). Words of all ones (the common case of a free row, or of
+// a grammar allowing much) are skipped.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+              "apply_token_bitmask: logits must be contiguous float32 [rows, vocab]");
+  auto mask = bitmask.contiguous();
+  const int64_t R = logits.size(0), V = logits.size(1), W = (V + 31) / 32;
+  TORCH_CHECK(mask.scalar_type() == torch::kInt && mask.dim() == 2 && mask.size(0) == R && mask.size(1) >= W,
+              "apply_token_bitmask: bitmask must be int32 [rows, ceil(vocab / 32)]");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
+  const int64_t stride = mask.size(1);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = lp + r * V;
+      const uint32_t* words = mp + r * stride;
+      for (int64_t w = 0; w < W; ++w) {
+        const uint32_t m = words[w];
+        if (m == 0xffffffffu) continue;
+        const int64_t base = w * 32, n = std::min<int64_t>(32, V - base);
+        for (int64_t j = 0; j < n; ++j)
+          if (!((m >> j) & 1u)) row[base + j] = ninf;
+      }
+    }
+  });
+}
+
 void register_cpu_ops(py::module& m) {
+  m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("apply_rotary", &apply_rotary);

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
@@ -163,3 +164,11 @@ if not AVAILABLE:  # same names, reference arithmetic
     apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
     int4_linear, silu_and_mul = int4_linear_ref, silu_and_mul_ref  # noqa: F811
     quantize_int4_weight, dequantize_gguf_blocks = quantize_int4_weight_ref, dequantize_gguf_blocks_ref  # noqa: F811
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`apply_token_bitmask_ref`, in C++ for contiguous float32 logits."""
+    if _ext is None or logits.dtype != torch.float32 or not logits.is_contiguous() or logits.dim() != 2:
+        return apply_token_bitmask_ref(logits, bitmask)
+    _ext.apply_token_bitmask(logits, bitmask.to(torch.int32))
+    return logits
