@@ -62,10 +62,11 @@ def _signature(fn: JITFunction, bound: dict[str, Any]) -> tuple[dict[str, str], 
 def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
     """Every op in the variants the model and the benchmarks use."""
     from rivulet.kernels.quant import quantize_fp8_weight
-    from rivulet.kernels.triton import activation, attention, fp8_linear, kv_cache, moe, norm, rotary
+    from rivulet.kernels.triton import activation, attention, bitmask, fp8_linear, kv_cache, moe, norm, rotary
     from rivulet.worker.batch import SeqChunk, build_flat_batch
 
     cpu = torch.device("cpu")
+    bitmask.apply_token_bitmask(torch.randn(16, 151936), torch.zeros(16, 4748, dtype=torch.int32))  # float32 only
     for dt in dtypes:
         x = torch.randn(4, 4096, dtype=dt)
         norm.rms_norm(x, x[0], 1e-5)

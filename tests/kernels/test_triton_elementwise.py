@@ -15,7 +15,9 @@ from rivulet.kernels import (
     silu_and_mul_ref,
     write_kv_cache_ref,
 )
+from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.triton.activation import silu_and_mul
+from rivulet.kernels.triton.bitmask import apply_token_bitmask
 from rivulet.kernels.triton.kv_cache import write_kv_cache
 from rivulet.kernels.triton.norm import fused_add_rms_norm, rms_norm
 from rivulet.kernels.triton.rotary import apply_rotary
@@ -90,3 +92,15 @@ def test_write_kv_cache_skips_negative_slots():
     write_kv_cache(key, value, cache, torch.tensor([5, -1, 9], device=DEVICE))
     write_kv_cache_ref(key[[0, 2]], value[[0, 2]], before, torch.tensor([5, 9], device=DEVICE))
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("rows, vocab", [(3, 70), (2, 2100)])
+def test_apply_token_bitmask(rows, vocab):
+    """Random masks, a row allowing everything, the last word partly past the vocabulary."""
+    g = torch.Generator().manual_seed(rows)
+    mask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[-1] = -1
+    logits = randn(rows, vocab, dtype=torch.float32)
+    want = apply_token_bitmask_ref(logits.clone(), mask.to(logits.device))
+    got = apply_token_bitmask(logits.clone(), mask.to(logits.device))
+    assert torch.equal(got, want) and bool(torch.isinf(want).any()) and not bool(torch.isinf(want[-1]).any())
