@@ -43,6 +43,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 503 once max-num-seqs + this many requests are unfinished (default: no limit)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish before closing them")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file or text) used in place of the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\": tool calls parsed from the answer by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the tool-call format of the model: hermes (Qwen2.5/3, Hermes), llama3_json, mistral")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
 

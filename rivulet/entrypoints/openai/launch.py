@@ -16,10 +16,12 @@ import argparse
 import asyncio
 import logging
 import socket
+from pathlib import Path
 from dataclasses import dataclass
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.engine.args import EngineArgs
+from rivulet.entrypoints.openai.tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("rivulet.server")
 
@@ -35,6 +37,8 @@ class ServerSettings:
     max_num_seqs: int = 128  # the engine's running capacity, part of the admission limit
     drain_timeout: float = 30.0
     retry_after_s: int = 1
+    chat_template: str | None = None  # --chat-template: used in place of the model's
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses with it
 
     @property
     def admission_limit(self) -> int | None:
@@ -53,9 +57,20 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise RivuletError("--max-queue must be >= 0")
     if a.drain_timeout < 0:
         raise RivuletError("--drain-timeout must be >= 0")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        raise RivuletError("--enable-auto-tool-choice needs --tool-call-parser "
+                           f"({', '.join(TOOL_CALL_PARSERS)})")
+    template = a.chat_template
+    if template is not None:
+        path = Path(template).expanduser()
+        if path.is_file():
+            template = path.read_text()
+        elif "{" not in template:  # neither a file nor a template
+            raise RivuletError(f"--chat-template {a.chat_template!r}: no such file")
     return ServerSettings(served_model_names=a.served_model_name or [a.model], model_root=a.model,
                           api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
-                          drain_timeout=a.drain_timeout)
+                          drain_timeout=a.drain_timeout, chat_template=template,
+                          tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

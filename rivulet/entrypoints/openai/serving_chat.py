@@ -1,8 +1,11 @@
-"""``POST /v1/chat/completions``: the conversation rendered with the model's chat template, then one
-engine request with ``n`` samples, streamed or not."""
+"""``POST /v1/chat/completions``: the conversation rendered with the model's chat template (and its
+tools), then one engine request with ``n`` samples, streamed or not; tool calls found in the answer
+(`tools.py`) come back as ``message.tool_calls``."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -10,6 +13,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from rivulet.config import RivuletError
 from rivulet.engine.outputs import RequestOutput
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError
 from rivulet.entrypoints.openai.logprobs import chat_logprobs, token_text_fn
@@ -19,6 +23,7 @@ from rivulet.entrypoints.openai.protocol import Usage as UsageModel
 from rivulet.entrypoints.openai.serving_base import (SSE_DONE, ChoiceState, ClientDisconnected, EventStreamResponse,
                                                      RequestGroup, ServerContext, Usage, sse, stream_error_event,
                                                      until_disconnected)
+from rivulet.entrypoints.openai.tools import ToolCall, ToolPlan, plan_tools, streamable_prefix
 
 # chat_template_kwargs a client may not override: they change what apply_chat_template returns
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
@@ -39,17 +44,30 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
         d.setdefault("content", "")  # templates index message.content; null (assistant tool calls) reads as ""
+        for call in d.get("tool_calls") or []:  # templates write arguments with tojson: give them the object
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
         result.append(d)
     return result
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, template_kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of a conversation; 400 when the template refuses it."""
+                continue_final_message: bool, template_kwargs: dict[str, Any] | None,
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a conversation (with `tools` for the template, and the server's
+    `--chat-template` in place of the model's); 400 when the template refuses it."""
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
                                "token ids")
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if tools:
+        kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs.setdefault("chat_template", chat_template)
     try:
         text = tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt and not continue_final_message,
@@ -77,21 +95,29 @@ class ChatHandler:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if body.top_logprobs and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        settings = ctx.settings
+        plan = plan_tools(body.tools, body.tool_choice, settings.tool_call_parser is not None)  # RivuletError: 400
         group = ctx.open_group(1)
         handed_over = False
         try:
             text, ids = render_chat(ctx.engine.tokenizer, body.messages, body.add_generation_prompt,
-                                    body.continue_final_message, body.chat_template_kwargs)
+                                    body.continue_final_message, body.chat_template_kwargs, plan.render,
+                                    settings.chat_template)
             params = body.to_sampling_params(ctx.default_max_tokens(len(ids)))
+            if plan.structured is not None:
+                if params.structured_outputs is not None:
+                    raise RivuletError(f"tool_choice {json.dumps(body.tool_choice)} is a grammar of its own: "
+                                       "drop response_format / structured_outputs / guided_*")
+                params = dataclasses.replace(params, structured_outputs=plan.structured)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             group.add({"prompt": text, "prompt_token_ids": ids}, params, request_id, body.priority)
             if body.stream:
                 firsts = await until_disconnected(raw.receive, group.prime())
-                events = self._events(body, model, request_id, len(ids), group, firsts[0])
+                events = self._events(body, model, request_id, len(ids), group, firsts[0], plan)
                 handed_over = True
                 return EventStreamResponse(events, on_close=group.aclose)
             finals = await until_disconnected(raw.receive, group.collect())
-            return JSONBody(self._response(body, model, request_id, finals[0]).model_dump())
+            return JSONBody(self._response(body, model, request_id, finals[0], plan).model_dump())
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
@@ -102,21 +128,24 @@ class ChatHandler:
         return body.top_logprobs or 0
 
     def _response(self, body: ChatCompletionRequest, model: str, request_id: str,
-                  out: RequestOutput) -> ChatCompletionResponse:
+                  out: RequestOutput, plan: ToolPlan) -> ChatCompletionResponse:
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
         choices = []
         for c in out.outputs:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self._num_top(body), text_fn) \
                 if body.logprobs else None
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            content, calls = plan.calls(c.text, self.ctx.settings.tool_call_parser)
+            message = ChatResponseMessage(content=content, tool_calls=[t.as_dict() for t in calls] or None)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
         usage = Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageModel(**usage.as_dict()))
 
     async def _events(self, body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int,
-                      group: RequestGroup, first: RequestOutput) -> AsyncIterator[str]:
+                      group: RequestGroup, first: RequestOutput, plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
         states = [ChoiceState() for _ in range(body.n)]
+        tools = [_ToolStream(plan, self.ctx.settings.tool_call_parser) for _ in range(body.n)]
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
@@ -138,9 +167,15 @@ class ChatHandler:
                 logprobs = None
                 if body.logprobs and d.token_ids:
                     logprobs = chat_logprobs(d.token_ids, d.logprobs or [], self._num_top(body), text_fn).model_dump()
-                delta = {"content": d.text} if d.text else {}
-                if delta or logprobs or d.finish_reason:
-                    events.append(chunk(c.index, delta, logprobs, d.finish_reason, d.stop_reason))
+                if plan.mode == "none":
+                    deltas, finish = ([{"content": d.text}] if d.text else []), d.finish_reason
+                else:
+                    deltas, finish = tools[c.index].feed(d.text, d.finish_reason)
+                for i, delta in enumerate(deltas or [{}]):
+                    last_one = i == max(len(deltas), 1) - 1
+                    if delta or (logprobs and i == 0) or (finish and last_one):
+                        events.append(chunk(c.index, delta, logprobs if i == 0 else None, finish if last_one else None,
+                                            d.stop_reason if last_one else None))
             return events
 
         last = first
@@ -160,3 +195,49 @@ class ChatHandler:
             yield SSE_DONE
         except Exception as e:
             yield stream_error_event(e)
+
+
+def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class _ToolStream:
+    """One choice's stream under a tool plan: the deltas to send for each new piece of text. A named
+    function streams its arguments as they come; "required" and "auto" hold back what may be a tool
+    call and send the calls, one delta each, when the answer ends."""
+
+    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
+        self.plan, self.parser = plan, parser
+        self.text = ""
+        self.sent = 0  # characters of text sent as content (auto)
+        self.call: ToolCall | None = None  # the named call, once started
+
+    def feed(self, new: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        self.text += new
+        plan = self.plan
+        if plan.mode == "named":
+            deltas = []
+            if self.call is None:
+                self.call = ToolCall(plan.name or "", "")
+                deltas.append({"tool_calls": [{"index": 0, "id": self.call.id, "type": "function",
+                                               "function": {"name": self.call.name, "arguments": new}}]})
+            elif new:
+                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": new}}]})
+            return deltas, _finish_reason(finish, [self.call]) if finish else None
+        deltas = []
+        if finish is None:
+            if plan.mode == "auto":
+                safe = streamable_prefix(self.parser, self.text)
+                if safe > self.sent:
+                    deltas.append({"content": self.text[self.sent:safe]})
+                    self.sent = safe
+            return deltas, None
+        content, calls = plan.calls(self.text, self.parser)
+        if content and content.startswith(self.text[:self.sent]) and len(content) > self.sent:
+            deltas.append({"content": content[self.sent:]})
+        elif content is None and not calls and self.sent < len(self.text):
+            deltas.append({"content": self.text[self.sent:]})
+        for i, call in enumerate(calls):
+            deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": call.arguments}}]})
+        return deltas, _finish_reason(finish, calls)
