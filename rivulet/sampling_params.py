@@ -49,6 +49,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # constrain only what follows these tokens (the end of a reasoning model's thinking, "</think>"):
+    # set by the server's --reasoning-parser, not by clients
+    after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
@@ -69,6 +72,10 @@ class StructuredOutputsParams:
                                f"got {self.choice!r}")
         if self.choice is not None:
             self.choice = list(self.choice)
+        if self.after_token_ids is not None and (
+                not isinstance(self.after_token_ids, (list, tuple)) or not self.after_token_ids
+                or not all(isinstance(t, int) and t >= 0 for t in self.after_token_ids)):
+            raise RivuletError(f"structured outputs: after_token_ids must be token ids, got {self.after_token_ids!r}")
 
     @property
     def key(self) -> tuple[str, str]:

@@ -201,7 +201,7 @@ class EngineCore:
             got = result.sampled_token_ids.get(rid)
             if got:
                 self.spec_stats.observe(len(spec), len(got) - 1)
-        if sched.grammar_bitmask is not None:
+        if self._constrained():  # matchers follow their tokens (also while one waits for its start tokens)
             for rid, toks in result.sampled_token_ids.items():
                 req = self.scheduler.requests.get(rid)
                 if req is not None and req.grammar is not None:

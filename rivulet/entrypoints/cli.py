@@ -49,6 +49,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve tool_choice \"auto\": tool calls parsed from the answer by --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the tool-call format of the model: hermes (Qwen2.5/3, Hermes), llama3_json, mistral")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="put a reasoning model's <think>...</think> in message.reasoning_content")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
 

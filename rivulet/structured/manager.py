@@ -7,7 +7,8 @@ ready, each with its own `GrammarMatcher` in `Request.grammar`, and the ones tha
 grammar, or longer than `timeout_s`) with their error. Each step `bitmask` gives the allowed tokens
 of every logits row of the step (all ones for unconstrained rows) and `accept` advances a request's
 matcher by the tokens it kept. A matcher reaches its end only through a stop token (EOS), which the
-request always stops at.
+request always stops at. With `after_token_ids` (the end of a model's reasoning) the grammar starts
+only once the output has produced them: until then the request samples freely.
 """
 
 from __future__ import annotations
@@ -30,6 +31,26 @@ from rivulet.structured.grammar import check, compile_grammar
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept
+
+
+class RequestGrammar:
+    """A request's matcher, and whether it is on yet (it waits for `after` in the output)."""
+
+    def __init__(self, matcher: Any, after: list[int] | None) -> None:
+        self.matcher = matcher
+        self.after = list(after or [])
+        self.active = not self.after
+        self._recent: list[int] = []
+
+    def accept(self, token_id: int, request_id: str) -> None:
+        if not self.active:
+            self._recent = (self._recent + [token_id])[-len(self.after):]
+            self.active = self._recent == self.after
+            return
+        if self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token_id):
+            logger.error("request %s: token %d does not fit its grammar", request_id, token_id)
 
 
 class StructuredOutputManager:
@@ -96,7 +117,8 @@ class StructuredOutputManager:
                 continue
             import xgrammar as xgr
 
-            req.grammar = xgr.GrammarMatcher(fut.result())
+            req.grammar = RequestGrammar(xgr.GrammarMatcher(fut.result()),
+                                         req.sampling_params.structured_outputs.after_token_ids)
             ready.append(req)
         return ready, failed
 
@@ -110,7 +132,7 @@ class StructuredOutputManager:
             if rid in out.sampling_request_ids:
                 req = requests.get(rid)
                 grammar = req.grammar if req is not None else None
-                rows.append(grammar)
+                rows.append(grammar.matcher if grammar is not None and grammar.active else None)
                 rows += [None] * len(out.scheduled_spec_tokens.get(rid, ()))
         if not any(g is not None for g in rows):
             return None
@@ -128,8 +150,4 @@ class StructuredOutputManager:
     def accept(req: Request, token_ids: list[int]) -> None:
         """Advance `req`'s matcher by the tokens it kept this step (a token the mask allowed)."""
         for t in token_ids:
-            if req.grammar.is_terminated():
-                return
-            if not req.grammar.accept_token(t):
-                logger.error("request %s: token %d does not fit its grammar", req.request_id, t)
-                return
+            req.grammar.accept(t, req.request_id)

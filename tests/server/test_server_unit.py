@@ -21,6 +21,7 @@ from rivulet.engine.outputs import CompletionOutput, RequestOutput
 from rivulet.entrypoints.openai.api_server import DrainingServer, build_app
 from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.entrypoints.openai.launch import ServerSettings, bind_socket
+from rivulet.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +261,30 @@ def test_serve_spawns_the_engine_before_importing_the_web_framework() -> None:
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_reasoning_parser_starts_grammars_after_the_thinking(tokenizer: Any) -> None:
+    """With --reasoning-parser, a grammar (response_format, tools) waits for "</think>"; not when the
+    template's thinking is switched off, nor without a reasoning parser."""
+    seen: list[SamplingParams] = []
+
+    class Recording(FakeEngine):
+        def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0):
+            seen.append(params)
+            return super().generate(prompt, params, request_id, priority)
+
+    end = list(tokenizer("</think>", add_special_tokens=False).input_ids)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "json_object"}}
+    for settings, extra, want in [({"reasoning_parser": "qwen3"}, {}, end),
+                                  ({"reasoning_parser": "qwen3"}, {"chat_template_kwargs": {"enable_thinking": False}},
+                                   None),
+                                  ({}, {}, None)]:
+        app = _app(Recording(tokenizer, script=[504]), **settings)
+
+        async def main() -> None:
+            async with _client(app) as c:
+                r = await c.post("/v1/chat/completions", json=body | extra)
+                assert r.status_code == 200, r.text
+
+        asyncio.run(main())
+        assert seen[-1].structured_outputs is not None and seen[-1].structured_outputs.after_token_ids == want

@@ -113,3 +113,17 @@ def test_random_weights_still_follow_the_grammar():
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
     llm.shutdown()
+
+
+def test_a_grammar_can_start_after_given_tokens(llm):
+    """`after_token_ids` (the server's --reasoning-parser sets it to "</think>"): free decoding up to and
+    including those tokens, the grammar after them."""
+    free = llm.chat([MSGS], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].token_ids
+    marker = free[4:6]
+    k = next(i for i in range(len(free)) if free[i - 1:i + 1] == marker) + 1
+    so = S(choice=["alpha", "beta"], after_token_ids=marker)
+    got = llm.chat([MSGS], SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
+                   use_tqdm=False)[0].outputs[0]
+    assert list(got.token_ids[:k]) == list(free[:k])
+    tail = llm.get_tokenizer().decode(got.token_ids[k:], skip_special_tokens=True)
+    assert tail in ("alpha", "beta") and got.finish_reason == "stop"

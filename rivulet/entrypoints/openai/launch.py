@@ -39,6 +39,7 @@ class ServerSettings:
     retry_after_s: int = 1
     chat_template: str | None = None  # --chat-template: used in place of the model's
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses with it
+    reasoning_parser: str | None = None  # --reasoning-parser: <think>...</think> goes to reasoning_content
 
     @property
     def admission_limit(self) -> int | None:
@@ -70,7 +71,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings(served_model_names=a.served_model_name or [a.model], model_root=a.model,
                           api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
                           drain_timeout=a.drain_timeout, chat_template=template,
-                          tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None)
+                          tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
+                          reasoning_parser=a.reasoning_parser)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -312,6 +312,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the thinking (vLLM's name)
+    reasoning: str | None = None  # the same (vLLM's newer name)
 
 
 class ChatChoice(BaseModel):

@@ -23,6 +23,7 @@ from rivulet.entrypoints.openai.protocol import Usage as UsageModel
 from rivulet.entrypoints.openai.serving_base import (SSE_DONE, ChoiceState, ClientDisconnected, EventStreamResponse,
                                                      RequestGroup, ServerContext, Usage, sse, stream_error_event,
                                                      until_disconnected)
+from rivulet.entrypoints.openai.reasoning import END, ReasoningStream, reasoning_fields, split_reasoning
 from rivulet.entrypoints.openai.tools import ToolCall, ToolPlan, plan_tools, streamable_prefix
 
 # chat_template_kwargs a client may not override: they change what apply_chat_template returns
@@ -109,6 +110,11 @@ class ChatHandler:
                     raise RivuletError(f"tool_choice {json.dumps(body.tool_choice)} is a grammar of its own: "
                                        "drop response_format / structured_outputs / guided_*")
                 params = dataclasses.replace(params, structured_outputs=plan.structured)
+            if settings.reasoning_parser and params.structured_outputs is not None \
+                    and (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False:
+                end = list(ctx.engine.tokenizer(END, add_special_tokens=False).input_ids)  # the grammar follows it
+                params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                    params.structured_outputs, after_token_ids=end))
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             group.add({"prompt": text, "prompt_token_ids": ids}, params, request_id, body.priority)
             if body.stream:
@@ -134,8 +140,13 @@ class ChatHandler:
         for c in out.outputs:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self._num_top(body), text_fn) \
                 if body.logprobs else None
-            content, calls = plan.calls(c.text, self.ctx.settings.tool_call_parser)
-            message = ChatResponseMessage(content=content, tool_calls=[t.as_dict() for t in calls] or None)
+            parser = self.ctx.settings.reasoning_parser
+            reasoning, text = split_reasoning(parser, c.text) if parser else (None, c.text)
+            content, calls = plan.calls(text, self.ctx.settings.tool_call_parser)
+            if reasoning is not None and not content:
+                content = None
+            message = ChatResponseMessage(content=content, tool_calls=[t.as_dict() for t in calls] or None,
+                                          **reasoning_fields(reasoning))
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
         usage = Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
@@ -146,6 +157,8 @@ class ChatHandler:
         created = int(time.time())
         states = [ChoiceState() for _ in range(body.n)]
         tools = [_ToolStream(plan, self.ctx.settings.tool_call_parser) for _ in range(body.n)]
+        parser = self.ctx.settings.reasoning_parser
+        thinking = [ReasoningStream(parser) for _ in range(body.n)] if parser else None
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
@@ -167,10 +180,15 @@ class ChatHandler:
                 logprobs = None
                 if body.logprobs and d.token_ids:
                     logprobs = chat_logprobs(d.token_ids, d.logprobs or [], self._num_top(body), text_fn).model_dump()
+                new, thought = d.text, ""
+                if thinking is not None:
+                    thought, new = thinking[c.index].feed(d.text, final=d.finish_reason is not None)
                 if plan.mode == "none":
-                    deltas, finish = ([{"content": d.text}] if d.text else []), d.finish_reason
+                    deltas, finish = ([{"content": new}] if new else []), d.finish_reason
                 else:
-                    deltas, finish = tools[c.index].feed(d.text, d.finish_reason)
+                    deltas, finish = tools[c.index].feed(new, d.finish_reason)
+                if thought:
+                    deltas = [reasoning_fields(thought)] + deltas
                 for i, delta in enumerate(deltas or [{}]):
                     last_one = i == max(len(deltas), 1) - 1
                     if delta or (logprobs and i == 0) or (finish and last_one):
