@@ -171,3 +171,25 @@ def test_tool_errors(tool_server: ServerProcess, http: httpx.Client) -> None:
     # the shared server runs without a tool call parser: auto is refused, never silently plain text
     err = assert_error_body(http.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]}), 400)
     assert "--enable-auto-tool-choice" in err["message"]
+
+
+def test_langchain_structured_output_and_tools(tool_server: ServerProcess) -> None:
+    """LangChain's ChatOpenAI against the server: with_structured_output (a json_schema response_format)
+    and bind_tools with a named tool_choice."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        """The weather in a city."""
+
+        city: str = Field(max_length=20)
+        unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+    llm = ChatOpenAI(base_url=tool_server.base_url, api_key="unused", model="default", temperature=0, max_tokens=120,
+                     max_retries=0)
+    got = llm.with_structured_output(Weather, method="json_schema").invoke("The weather in Paris, as JSON.")
+    assert isinstance(got, Weather) and got.unit in ("celsius", "fahrenheit")
+    msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    [call] = msg.tool_calls
+    assert call["name"] == "get_weather" and call["id"]
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
