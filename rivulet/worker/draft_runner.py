@@ -13,8 +13,10 @@ right; the draft computes the rest of its tokens (1 or 2 after a verify step, th
 after the first prefill) in one forward pass, whose last logits give draft 1, then one token per
 forward pass for drafts 2..k. Drafts are the draft model's greedy tokens: a deterministic guess,
 which the runner's verification keeps with exactly the target's probability (see
-`ModelRunner._sample`). KV in prefix-cache hits is trusted: it was computed for the same tokens
-unless the draft skipped them (`disable_by_batch_size`), which costs acceptance, never correctness.
+`ModelRunner._sample`). Prefill chunks that do not sample yet are caught up in the same first pass,
+so by the end of every step the draft's KV covers what the target computed, and prefix-cache hits
+(a preempted request's own blocks included) hold the draft's KV too; only steps skipped under
+`disable_by_batch_size` leave gaps, which cost acceptance, never correctness.
 """
 
 from __future__ import annotations
@@ -76,12 +78,24 @@ class DraftRunner:
             self._state[new.request_id] = (new.num_computed_tokens, [])
 
     @torch.inference_mode()
-    def propose(self, batch: InputBatch, req_ids: list[str], eos_token_ids: set[int]) -> dict[str, list[int]]:
+    def propose(self, batch: InputBatch, req_ids: list[str], eos_token_ids: set[int],
+                chunks: dict[str, int] | None = None) -> dict[str, list[int]]:
         """Up to k greedy draft tokens after the known tokens of each of `req_ids` (requests that just
-        sampled), as many as max_tokens, max_model_len and the row's blocks leave room for."""
+        sampled), as many as max_tokens, max_model_len and the row's blocks leave room for. `chunks`
+        (request -> tokens computed after this step, for prefill chunks that did not sample): the draft
+        computes its KV that far too, so its KV in every block the prefix cache keeps is right."""
         if self.disable_by_batch_size is not None and len(batch) > self.disable_by_batch_size:
             return {}
-        ids, rows, starts, depth = [], [], [], []
+        ids, rows, starts, depth, ends_list = [], [], [], [], []
+        for rid, end in (chunks or {}).items():
+            valid = self._state[rid][0]
+            if end > valid:
+                ids.append(rid)
+                rows.append(batch.row_of[rid])
+                starts.append(valid)
+                depth.append(0)  # catch up only
+                ends_list.append(end)
+                self._state[rid] = (end, [])
         for rid in req_ids:
             row = batch.row_of[rid]
             n = int(batch.num_tokens[row])
@@ -101,11 +115,12 @@ class DraftRunner:
             rows.append(row)
             starts.append(f)
             depth.append(d)
+            ends_list.append(n)
         if not ids:
             return {}
         rows_np, depth_np = np.array(rows, np.int64), np.array(depth, np.int64)
-        ends = batch.num_tokens[rows_np]
-        drafts = np.zeros((len(ids), int(depth_np.max())), np.int64)
+        ends = np.array(ends_list, np.int64)
+        drafts = np.zeros((len(ids), max(1, int(depth_np.max()))), np.int64)  # pass 0 also catches chunks up
         starts_np = np.array(starts, np.int64)
         active = np.arange(len(ids))
         for j in range(drafts.shape[1]):  # j = 0: catch up to the last known token; then one guess per pass
@@ -115,12 +130,15 @@ class DraftRunner:
             hidden = self.model(flat.input_ids, flat.positions, flat.meta)
             drafts[active, j] = self.model.compute_logits(hidden[flat.logits_indices]).argmax(-1).cpu().numpy()
             for i in active.tolist():
-                batch.write_ahead(rows[i], int(ends[i]) + j, [int(drafts[i, j])])
+                if depth[i]:  # (a prefill chunk's next position holds a known prompt token)
+                    batch.write_ahead(rows[i], int(ends[i]) + j, [int(drafts[i, j])])
             active = active[depth_np[active] > j + 1]
             if not active.size:
                 break
         out = {}
         for i, rid in enumerate(ids):
+            if not depth[i]:
+                continue
             guess = drafts[i, :depth[i]].tolist()
             out[rid] = guess
             self._state[rid] = (int(ends[i]), guess[:-1])  # the last guess was never an input

@@ -193,9 +193,11 @@ class ModelRunner:
             if grammar_bitmask is not None:
                 logits = apply_token_bitmask(logits, grammar_bitmask)
             self._sample(step, logits, result)
-            if self.drafter is not None:
-                result.draft_token_ids = self.drafter.propose(self.batch, list(result.sampled_token_ids),
-                                                              self.eos_token_ids)
+        if self.drafter is not None:
+            chunks = {rid: int(step.starts[i] + step.query_start[i + 1] - step.query_start[i])
+                      for i, rid in enumerate(step.req_ids) if not step.sample[i]}
+            result.draft_token_ids = self.drafter.propose(self.batch, list(result.sampled_token_ids),
+                                                          self.eos_token_ids, chunks)
         lp_rows = self.batch.sampling.prompt_logprobs[step.rows]
         for i in np.flatnonzero((lp_rows >= 0) & (step.starts < self.batch.num_prompt[step.rows])).tolist():
             q0, q1 = int(step.query_start[i]), int(step.query_start[i + 1])

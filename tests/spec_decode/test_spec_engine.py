@@ -65,11 +65,11 @@ def test_ngram_gives_the_tokens_of_plain_decoding_on_tiny_models(kind, tiny_mode
     _check_same_as_without(str(path), 256, max_model_len=128, max_num_batched_tokens=24, block_size=4)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(num_kv_blocks=10, block_size=16, max_num_batched_tokens=48)],
-                         ids=["roomy", "preempt"])
-def test_ngram_gives_the_tokens_of_plain_decoding_on_the_default_model(kw):
-    stats = _check_same_as_without("default", 40000, max_model_len=160, **kw)
-    assert (stats["num_preemptions"] > 0) == ("num_kv_blocks" in kw)
+def test_ngram_gives_the_tokens_of_plain_decoding_on_the_default_model():
+    """Chunked prefill and preemption on a real model (the tiny models cover a roomy cache)."""
+    stats = _check_same_as_without("default", 40000, max_model_len=160, num_kv_blocks=10, block_size=16,
+                                   max_num_batched_tokens=48)
+    assert stats["num_preemptions"] > 0
 
 
 COPY = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
@@ -95,7 +95,7 @@ def test_stop_strings_and_max_tokens_cut_accepted_runs_exactly(copy_runs):
     before = spec.engine.core.get_stats()["spec_decode_num_accepted_tokens"]
     for sp in [SamplingParams(temperature=0, max_tokens=80, stop=[stop]),
                SamplingParams(temperature=0, max_tokens=80, stop=[stop], include_stop_str_in_output=True),
-               *[SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 2, 5, 17, 40)]]:
+               *[SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 5, 17)]]:
         want = plain.chat([msgs], sp, use_tqdm=False)[0].outputs[0]
         got = spec.chat([msgs], sp, use_tqdm=False)[0].outputs[0]
         assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids),
