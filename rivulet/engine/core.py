@@ -125,9 +125,18 @@ class EngineCore:
     def abort_requests(self, ids: list[str]) -> None:
         self.structured.abort(ids)
         self.scheduler.abort_requests(ids)
+        self._release_if_idle()
 
     def finish_requests(self, ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(ids, status)
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """With no step to come, hand the runner the requests finished since the last one, so that it drops
+        their rows (an idle engine holds nothing of a finished request)."""
+        if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
+                and self.scheduler.has_finished_to_report():
+            self.executor.execute(self.scheduler.schedule())
 
     def has_unfinished_requests(self) -> bool:
         """Requests left (some perhaps waiting for their grammar), or a step still running (its outputs are due)."""
@@ -211,9 +220,7 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING and req.grammar is None:
                 req.spec_token_ids = drafts
-        if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
-                and self.scheduler.has_finished_to_report():
-            self.executor.execute(self.scheduler.schedule())  # idle now: the runner drops the last rows
+        self._release_if_idle()
         steps = [StepOutput(o, result.logprobs.get(o.request_id, []), result.prompt_logprobs.get(o.request_id))
                  for o in outputs]
         reported = {o.request_id for o in outputs}
