@@ -66,6 +66,8 @@ def label(cmd: str) -> str:
         return "worker"
     if "resource_tracker" in cmd or "semaphore" in cmd:
         return "tracker"
+    if "spawn_main" in cmd or "multiprocessing" in cmd:
+        return "child"
     return "api" if "serve" in cmd else cmd.split()[0].rsplit("/", 1)[-1]
 
 

@@ -84,6 +84,7 @@ class SamplingState:
 
     def clear_row(self, row: int) -> None:
         self.params[row] = self.generators[row] = None
+        self.blocked[row] = []
         self.penalized[row] = self.biased[row] = False
         self.prompt_logprobs[row] = -1
 
