@@ -57,8 +57,11 @@ def test_abort_on_close_errors_and_engine_death():
                     break
             assert (await engine.get_stats())["kv_cache_usage"] > 0
             await gen.aclose()
-            await asyncio.sleep(0.3)
-            stats = await engine.get_stats()
+            for _ in range(100):  # the abort reaches the engine between its steps (a loaded machine: slowly)
+                stats = await engine.get_stats()
+                if stats["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.1)
             assert stats["kv_cache_usage"] == 0 and stats["num_running"] == 0
             # invalid input fails before the first output, engine unharmed
             with pytest.raises(RivuletError, match="maximum context length"):
@@ -73,7 +76,7 @@ def test_abort_on_close_errors_and_engine_death():
                     if t0 is None and out.outputs[0].token_ids:
                         t0 = time.monotonic()
                         os.kill(engine.engine_pid, signal.SIGKILL)
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 2  # a 0.1 s poll of the process; room for two loaded cores
             assert not engine.is_healthy
             with pytest.raises(EngineDeadError):
                 await _collect(engine, PROMPTS[0], SamplingParams(), "after")

@@ -52,3 +52,19 @@ def test_batched_equals_alone(alone, engine_kwargs):
     if engine_kwargs.get("enable_prefix_caching", True):
         assert core.kv_cache_manager.stats.hits > 0  # the shared system prefix was reused
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks  # everything returned
+
+
+def test_seeded_sampling_survives_preemption():
+    """A seeded request keeps its random stream when it is preempted and recomputed: the same tokens as alone."""
+    rng = random.Random(1)
+    words = "river stone cloud engine paper light garden number silver market music window".split()
+    llm = LLM(dtype="float32", max_model_len=128, seed=0, num_kv_blocks=10, block_size=16, max_num_seqs=16)
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok(" ".join(rng.choice(words) for _ in range(rng.randint(12, 30)))).input_ids}
+               for _ in range(10)]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(10)]
+    alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    before = llm.engine.core.scheduler.num_preemptions
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.core.scheduler.num_preemptions > before  # 10 requests of ~40 tokens in 10 blocks of 16
+    assert together == alone

@@ -162,18 +162,45 @@ def test_sampling_fields_are_honoured(client: openai.OpenAI, http: httpx.Client)
     biased = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0,
                                        logit_bias={str(ids[0]): 100})
     assert biased.choices[0].text == " river" * 4
-    long = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0,
-                                     extra_body={"min_tokens": 6, "ignore_eos": True, "priority": 1,
-                                                 "repetition_penalty": 1.1, "min_p": 0.05})
-    assert long.usage.completion_tokens == 6
     parts = client.chat.completions.create(
         model="smol", max_tokens=6, temperature=0,
         messages=[{"role": "user", "content": [{"type": "text", "text": "Name three rivers in Europe."}]}])
     plain = client.chat.completions.create(model="smol", max_tokens=6, temperature=0, messages=CHAT)
     assert parts.choices[0].message.content == plain.choices[0].message.content
-    penalised = client.chat.completions.create(model="smol", max_tokens=6, temperature=0, messages=CHAT,
-                                               presence_penalty=2.0, frequency_penalty=2.0)
-    assert penalised.choices[0].finish_reason in ("stop", "length")
+
+
+def test_penalties_min_p_and_min_tokens_change_the_output(client: openai.OpenAI) -> None:
+    """Each field changes greedy output the way it should; a field the server ignored would leave it as is."""
+    loop = "the cat and the dog and the cat and the dog and the cat and the dog and the"
+
+    def run(prompt: str = loop, temperature: float = 0.0, **kw):
+        extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+        return client.completions.create(model="smol", prompt=prompt, max_tokens=24, temperature=temperature,
+                                         logprobs=0, extra_body=extra, **kw).choices[0]
+
+    def repeats(choice) -> int:  # generated tokens that are a repeat of an earlier one
+        return len(choice.logprobs.tokens) - len(set(choice.logprobs.tokens))
+
+    base = run()
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 1.8}}):
+        penalised = run(**kw)
+        assert penalised.text != base.text and repeats(penalised) < repeats(base), (kw, base.text, penalised.text)
+
+    # min_p near 1 keeps only the most likely token: sampling at a high temperature becomes greedy
+    greedy = run(PROMPT)
+    hot = dict(temperature=1.5, seed=7)
+    assert run(PROMPT, **hot).text != greedy.text
+    assert run(PROMPT, **hot, extra_body={"min_p": 0.999}).text == greedy.text
+
+    # min_tokens holds back an end of sequence that comes early without it
+    ask = [{"role": "user", "content": "Answer with one word: what colour is the sky on a clear day?"}]
+    short = client.chat.completions.create(model="smol", messages=ask, max_tokens=64, temperature=0)
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 48
+    held = client.chat.completions.create(model="smol", messages=ask, max_tokens=64, temperature=0,
+                                          extra_body={"min_tokens": n + 8})
+    assert held.usage.completion_tokens >= n + 8
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content)
 
 
 def test_unknown_fields_are_ignored(http: httpx.Client) -> None:

@@ -40,7 +40,8 @@ def test_engine_death_mid_stream(doomed: ServerProcess) -> None:
             if len(chunks) == 3:
                 os.kill(doomed.engine_pid(), signal.SIGKILL)
                 killed_at = time.monotonic()
-    assert killed_at is not None and time.monotonic() - killed_at < 5
+    # the front end polls the engine process every 0.1 s; 2 s leaves room for two loaded cores
+    assert killed_at is not None and time.monotonic() - killed_at < 2
     err = chunks[-1]["error"]
     assert err["type"] == "server_error" and err["code"] == "engine_dead" and err["message"]
     assert all("error" not in c for c in chunks[:-1])

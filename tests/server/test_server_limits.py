@@ -115,3 +115,35 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_priority_orders_the_waiting_queue() -> None:
+    """One running slot, taken: a request with a lower `priority` value that arrives later is served before one
+    with a higher value that has waited longer (vLLM's convention: lower first)."""
+    proc = ServerProcess("--max-model-len", "512", "--max-num-seqs", "1")
+    try:
+        url = f"{proc.url}/v1/completions"
+        done: list[str] = []
+
+        def post(name: str, **kw: Any) -> None:
+            r = httpx.post(url, json={"prompt": PROMPT, "temperature": 0, **kw}, timeout=300)
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        def count(kind: str) -> float:
+            return proc.metrics()[f"rivulet:num_requests_{kind}"]
+
+        blocker = threading.Thread(target=post, args=("blocker",), kwargs=dict(max_tokens=200, ignore_eos=True))
+        blocker.start()
+        assert wait_until(lambda: count("running") == 1, timeout=60)
+        later = threading.Thread(target=post, args=("later",), kwargs=dict(max_tokens=2, priority=5))
+        later.start()
+        assert wait_until(lambda: count("waiting") == 1, timeout=60)
+        sooner = threading.Thread(target=post, args=("sooner",), kwargs=dict(max_tokens=2, priority=-1))
+        sooner.start()
+        assert wait_until(lambda: count("waiting") == 2, timeout=60)
+        for t in (blocker, later, sooner):
+            t.join(300)
+        assert done == ["blocker", "sooner", "later"]
+    finally:
+        proc.stop()
