@@ -91,6 +91,10 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     parts: list[str] = []
     param: str | None = None
     for err in errors[:5]:
+        if err.get("type") == "json_invalid":  # FastAPI's loc is (body, character offset): not a field
+            ctx = err.get("ctx") or {}
+            return f"the request body is not valid JSON ({ctx.get('error', 'decode error')} at character " \
+                   f"{err.get('loc', ('', '?'))[-1]})", None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         if param is None and loc:
