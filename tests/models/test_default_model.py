@@ -105,7 +105,9 @@ def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
     with capsys.disabled():
         print(f"\nbf16 vs fp32 on the default model: top-1 agreement {rate:.4f} over {total} steps, "
               f"mean |dlogprob| {mean_dlp:.4f}")
-    assert rate >= 0.9 and mean_dlp < 0.15
+    # measured 0.973/0.025 (Zen 4, panel kernels) and 0.969/0.026 (Xeon, AMX tiles) over these 480 steps: the
+    # floors leave ~9 steps of agreement and 1.6x the error for kernels that round bf16 differently
+    assert rate >= 0.95 and mean_dlp < 0.04
 
 
 # (method, activations, least top-1 agreement, largest mean |dlogprob|): measured 0.958/0.055, 0.956/0.044 and
