@@ -1,7 +1,8 @@
 """The EngineCore process: receives requests over ZeroMQ, steps the engine, sends outputs back.
 
 It blocks on its input socket while idle and drains it between steps while busy, so requests
-arriving during a step join the next one. It exits when told to, or when its parent dies.
+arriving during a step join the next one. It exits when told to, or when its parent dies (checked
+every step and every 0.5 s while idle; a send to a front end that is gone gives up after 1 s).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from rivulet.models.loader import resolve_model
 logger = logging.getLogger(__name__)
 
 
+class _Orphaned(Exception):
+    """The process that started this engine has exited."""
+
+
 def main() -> None:
     """`python -m rivulet.engine.core_proc INPUT_ADDR OUTPUT_ADDR` with the EngineConfig as JSON on stdin."""
     logging.basicConfig(level=logging.INFO, format="rivulet engine: %(message)s")
@@ -39,15 +44,32 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)
     outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDTIMEO, 1000)  # a send blocks while no front end is connected: look up now and then
     outbox.connect(output_addr)
+
+    def orphaned() -> bool:
+        return os.getppid() != parent
+
+    def send(msg: object) -> None:
+        data = encode(msg)
+        while True:
+            try:
+                outbox.send(data)
+                return
+            except zmq.Again:
+                if orphaned():
+                    raise _Orphaned from None
     try:
         core = EngineCore(config, resolve_model(config.model.model))
     except Exception as e:  # report the load failure as a message, not a silent death
-        outbox.send(encode(Failed(str(e) if isinstance(e, ValueError) else traceback.format_exc())))
+        try:
+            send(Failed(str(e) if isinstance(e, ValueError) else traceback.format_exc()))
+        except _Orphaned:
+            pass
         outbox.close(linger=2000)
         return
-    outbox.send(encode(Ready(core.model_info())))
     try:
+        send(Ready(core.model_info()))
         while True:
             timeout = 0 if core.has_unfinished_requests() else 500
             while inbox.poll(timeout):
@@ -57,23 +79,26 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                         core.add_request(msg.to_request())
                     except ValueError as e:  # the front end validates first; this is a last guard
                         error = EngineCoreOutput(msg.request_id, [], "error", error=str(e))
-                        outbox.send(encode(Outputs([StepOutput(error)])))
+                        send(Outputs([StepOutput(error)]))
                 elif isinstance(msg, Abort):
                     core.abort_requests(msg.request_ids)
                 elif isinstance(msg, Stop):
                     core.finish_requests(msg.request_ids, RequestStatus.FINISHED_STOPPED)
                 elif isinstance(msg, GetStats):
-                    outbox.send(encode(Stats(core.get_stats())))
+                    send(Stats(core.get_stats()))
                 elif isinstance(msg, Shutdown):
                     core.shutdown()
                     return
                 timeout = 0
+            if orphaned():
+                raise _Orphaned
             if core.has_unfinished_requests():
                 outs = core.step()
                 if outs:
-                    outbox.send(encode(Outputs(outs)))
-            elif os.getppid() != parent:
-                return  # orphaned: the front end is gone
+                    send(Outputs(outs))
+    except _Orphaned:
+        logger.info("the front end is gone: exiting")
+        core.shutdown()  # worker ranks too
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)

@@ -94,3 +94,48 @@ def test_start_failure_is_a_clear_error(tmp_path):
 
     with pytest.raises(RivuletError, match="unsupported architecture 'NopeForCausalLM'"):
         _run(main())
+
+
+CHILD = """
+import asyncio, sys
+from rivulet import SamplingParams
+from rivulet.config import EngineConfig, ModelConfig
+from rivulet.engine.async_llm import AsyncLLM
+
+async def main():
+    engine = await AsyncLLM.start(EngineConfig(model=ModelConfig(dtype="float32")))
+    busy = sys.argv[1] == "busy"
+    if busy:  # a long request in flight when the parent dies
+        gen = engine.generate("Once upon a time", SamplingParams(max_tokens=2000, ignore_eos=True), "long")
+        await anext(gen)
+    print(engine.engine_pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("state", ["idle", "busy"])
+def test_engine_exits_when_its_parent_dies(state):
+    """The engine process outlives no front end: SIGKILL the process that spawned it, idle or mid-request."""
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", CHILD, state], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 15  # it notices within a 0.5 s poll; a loaded machine gets room
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{engine_pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, waiting to be reaped by init
+                return
+        time.sleep(0.1)
+    os.kill(engine_pid, signal.SIGKILL)
+    pytest.fail(f"the engine process outlived its parent ({state}) by 15 s")
