@@ -122,6 +122,42 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(limited: ServerProcess) -
     assert "Traceback" not in limited.log()
 
 
+def test_a_second_sigterm_stops_at_once() -> None:
+    """A drain of up to 60 s is cut short by a second signal: the server and its engine exit within seconds,
+    the stream in flight is cut off without [DONE]."""
+    proc = ServerProcess("--max-model-len", "512", "--drain-timeout", "60")
+    try:
+        lines: list[str] = []
+        started, ended = threading.Event(), []
+
+        def stream() -> None:
+            body = {"prompt": PROMPT, "max_tokens": 480, "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        started.set()
+                ended.append("closed")
+            except httpx.HTTPError as e:  # the connection dropped mid-response
+                ended.append(type(e).__name__)
+            started.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert started.wait(60) and not ended, ended  # streaming, not refused
+        engine_pid = proc.engine_pid()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(f"{proc.url}/health").status_code == 503, timeout=10)
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(5) == 0  # the stream alone would hold it for 480 tokens (8-16 s here)
+        assert wait_until(lambda: not _alive(engine_pid), timeout=10)
+        t.join(30)
+        assert ended and "data: [DONE]" not in lines
+    finally:
+        proc.stop()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
