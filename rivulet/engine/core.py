@@ -138,6 +138,10 @@ class EngineCore:
                 and self.scheduler.has_finished_to_report():
             self.executor.execute(self.scheduler.schedule())
 
+    def check_health(self) -> None:
+        """Raise RivuletError if a part of the engine outside this process (a worker rank) is gone."""
+        self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         """Requests left (some perhaps waiting for their grammar), or a step still running (its outputs are due)."""
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None

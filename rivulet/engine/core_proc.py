@@ -1,8 +1,9 @@
 """The EngineCore process: receives requests over ZeroMQ, steps the engine, sends outputs back.
 
 It blocks on its input socket while idle and drains it between steps while busy, so requests
-arriving during a step join the next one. It exits when told to, or when its parent dies (checked
-every step and every 0.5 s while idle; a send to a front end that is gone gives up after 1 s).
+arriving during a step join the next one. It exits when told to, when its parent dies (checked
+every step and every 0.5 s while idle; a send to a front end that is gone gives up after 1 s), and,
+with an error, when a worker rank has died (checked before every step and every 0.5 s while idle).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import traceback
 
 import zmq
 
-from rivulet.config import EngineConfig
+from rivulet.config import EngineConfig, RivuletError
 from rivulet.core.request import RequestStatus
 from rivulet.core.outputs import EngineCoreOutput
 from rivulet.engine.core import EngineCore
@@ -96,9 +97,15 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                 outs = core.step()
                 if outs:
                     send(Outputs(outs))
+            else:
+                core.check_health()  # a dead worker rank ends the engine now, not at the next request
     except _Orphaned:
         logger.info("the front end is gone: exiting")
         core.shutdown()  # worker ranks too
+    except RivuletError as e:  # a worker rank died: the front end sees this process exit
+        logger.error("%s", e)
+        core.shutdown()
+        raise SystemExit(1) from None
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)

@@ -87,13 +87,18 @@ class MultiprocExecutor:
     def _dead_ranks(self) -> list[str]:
         return [p.args[3] for p in self.procs if p.poll() is not None]
 
+    def check_health(self) -> None:
+        """Raise RivuletError if a worker rank has exited (the engine checks while idle, so a dead rank
+        is reported at once, not at the next request)."""
+        dead = self._dead_ranks()
+        if dead:
+            raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
+
     def _call(self, command: WorkerCommand) -> Any:
         """Every rank runs `command`. One call at a time: the engine's step thread and a caller's
         `collect` must not interleave their collectives."""
         with self._lock:
-            dead = self._dead_ranks()
-            if dead:
-                raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
+            self.check_health()
             Worker.broadcast_command(command)
             return self.worker.run(command)
 

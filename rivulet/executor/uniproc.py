@@ -35,6 +35,9 @@ class UniProcExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
+    def check_health(self) -> None:
+        """One rank, in this process: healthy while this runs."""
+
     def collect(self, name: str) -> list:
         """This one rank's statistics `name` (see `Worker.local_stats`), as a one-element list."""
         from types import SimpleNamespace

@@ -63,3 +63,35 @@ def test_serve_expert_parallel_tiny_moe_same_greedy_tokens(tiny_model_dir):
         assert got == want
     finally:
         assert server.stop() == 0
+
+
+def test_serve_reports_a_dead_worker_rank_as_a_dead_engine(tiny_model_dir):
+    """SIGKILL one worker rank of a TP=2 server: /health turns 503 and requests get 500 engine_dead (none hangs)."""
+    import os
+    import signal
+
+    from server_helpers import assert_error_body, wait_until
+
+    path, _ = tiny_model_dir("llama")
+    server = ServerProcess("--model", str(path), "--tensor-parallel-size", "2", "--max-model-len", "128",
+                           startup_timeout=300)
+    try:
+        body = {"model": str(path), "prompt": [5, 17, 200], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/completions", json=body, timeout=120).status_code == 200
+        engine = server.engine_pid()
+        workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_worker_of(int(p), engine)]
+        assert workers, "no worker rank found under the engine process"
+        os.kill(workers[0], signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=30)
+        r = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert assert_error_body(r, 500)["code"] == "engine_dead"
+    finally:
+        server.stop()
+
+
+def _is_worker_of(pid: int, engine_pid: int) -> bool:
+    try:
+        ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        return ppid == engine_pid and "rivulet.worker.worker" in open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return False
