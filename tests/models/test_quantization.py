@@ -98,3 +98,31 @@ def test_quantized_big_steps_use_the_packed_weight(tiny_model_dir):
     assert isinstance(q, WeightOnly) and isinstance(q.dense, Prepacked)
     assert cpu_ops.is_packed(r.model.model.layers[0].self_attn.o_proj.weight)
     assert r.forward([SeqChunk(list(range(MAX_ROWS + 4)), 0, [0, 1, 2, 3])]).shape == (1, 256)
+
+
+def test_int4_holds_the_default_models_q4_1_blocks_exactly():
+    """The shipped GGUF is Q4_1: its int4 copy dequantizes to the file's own values (the gguf package's
+    dequantization of the blocks), layer by layer, not merely to something close."""
+    import gguf
+
+    from rivulet.kernels.quant import dequantize_int4_weight
+    from rivulet.models.loader import resolve_model
+
+    reader = gguf.GGUFReader(resolve_model("default").gguf_path)
+    layers = (0, 29)
+    file = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors
+            if t.name.split(".")[1:2] in ([str(i)] for i in layers) and t.tensor_type.name == "Q4_1"}
+    runner = make_runner("default", "float32", num_blocks=8, block_size=16, quantization="int4")
+    for i in layers:
+        blk = lambda n: file[f"blk.{i}.{n}.weight"]  # noqa: E731
+        layer = runner.model.model.layers[i]
+        # rows in the file's order (q and k rows are permuted for RoPE on load: checked against the loaded weight)
+        expect = {"self_attn.o_proj": blk("attn_output"), "mlp.down_proj": blk("ffn_down"),
+                  "mlp.gate_up_proj": torch.cat([blk("ffn_gate"), blk("ffn_up")]),
+                  "self_attn.qkv_proj": layer.self_attn.qkv_proj.weight.detach()}
+        for name, want in expect.items():
+            linear = layer.get_submodule(name)
+            got = dequantize_int4_weight(*linear.quant.tensors)[:, :want.shape[1]]
+            assert torch.equal(got, want), f"layer {i} {name}: max |diff| {(got - want).abs().max().item()}"
+        v = layer.self_attn.qkv_proj.weight.detach()[-blk("attn_v").shape[0]:]
+        assert torch.equal(v, blk("attn_v"))  # the loaded weights are the file's
