@@ -108,12 +108,16 @@ def run_child(a: argparse.Namespace) -> int:
                     out.set("status", f"FAIL ({len(bad)} of {len(rows)} cases failed or errored)")
                     return 0
         elif a.section == "model":
-            from model_checks import LLAMA3_8B, TINY_LLAMA, run_model
+            from model_checks import LLAMA3_8B, TINY_LLAMA, model_failures, run_model
 
             cfg = dict(TINY_LLAMA if a.dry_run else LLAMA3_8B)
             if a.layers:
                 cfg["num_hidden_layers"] = a.layers
             run_model(out, cfg, a, device, dtype, deadline)
+            bad = model_failures(out.data)
+            if bad:
+                out.set("status", f"FAIL ({'; '.join(bad)})")
+                return 0
         elif a.section == "pytest":
             run_pytest(out, deadline)
             if out.data.get("returncode") != 0:

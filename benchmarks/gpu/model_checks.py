@@ -35,6 +35,18 @@ TINY_LLAMA: dict[str, Any] = dict(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 
 
+def model_failures(data: dict[str, Any]) -> list[str]:
+    """What in a model section's results must fail it: a step that errored, logits that do not match
+    transformers, CUDA-graph tokens that differ from eager ones (skipped steps are not failures)."""
+    bad = [f"{k}: {v.get('error', 'error')[:80]}" for k, v in data.items()
+           if isinstance(v, dict) and v.get("status") == "error"]
+    if data.get("logits_vs_hf", {}).get("passed") is False:
+        bad.append(f"logits_vs_hf: min cosine {data['logits_vs_hf'].get('min_cosine')}")
+    if data.get("decode_b1", {}).get("graph_tokens_equal_eager") is False:
+        bad.append("decode_b1: CUDA-graph tokens differ from eager ones")
+    return bad
+
+
 def _step(out: PartWriter, name: str, deadline: Deadline, need_s: float, fn: Callable[[], dict[str, Any]]) -> bool:
     """Run one guarded step; its dict (or its error) goes to the results under `name`."""
     if not deadline.fits(need_s):

@@ -115,3 +115,18 @@ def test_dry_run_end_to_end(tmp_path):
     assert model["logits_vs_hf"]["passed"]
     summary = (tmp_path / "summary.md").read_text()
     assert "Triton kernels vs PyTorch references" in summary and "Batch-1 decode" in summary
+
+
+def test_model_section_fails_on_wrong_tokens_or_logits():
+    """Every check the model section records decides its status (test audit)."""
+    from model_checks import model_failures
+
+    ok = {"rivulet_build": {"status": "ok"}, "logits_vs_hf": {"status": "ok", "passed": True, "min_cosine": 0.999},
+          "decode_b1": {"status": "ok", "graph_tokens_equal_eager": True}, "throughput": {"status": "skipped"}}
+    assert model_failures(ok) == []
+    assert model_failures({**ok, "decode_b1": {"status": "ok", "graph_tokens_equal_eager": False}}) == [
+        "decode_b1: CUDA-graph tokens differ from eager ones"]
+    assert model_failures({**ok, "logits_vs_hf": {"status": "ok", "passed": False, "min_cosine": 0.5}}) == [
+        "logits_vs_hf: min cosine 0.5"]
+    assert model_failures({**ok, "throughput": {"status": "error", "error": "CUDA out of memory"}}) == [
+        "throughput: CUDA out of memory"]
