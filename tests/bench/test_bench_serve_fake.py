@@ -24,13 +24,13 @@ def test_ttft_tpot_itl_are_measured(fake):
     cfg = ClientConfig(base_url=fake.url, model="fake", ignore_eos=True)
     p = run_point(cfg, _reqs(4, 9), LoadConfig(max_concurrency=4), slo={"ttft": 1000, "tpot": 100}, use_tqdm=False)
     assert p["completed"] == 4 and p["failed"] == 0 and p["total_output_tokens"] == 36
-    assert p["median_ttft_ms"] == pytest.approx(200, abs=60)
-    assert p["median_tpot_ms"] == pytest.approx(50, abs=15)
-    assert p["median_itl_ms"] == pytest.approx(50, abs=15)
-    assert p["median_e2el_ms"] == pytest.approx(200 + 8 * 50, abs=120)
+    # the fake server sleeps at least its delays; a loaded machine only adds: tight below, loose above
+    assert 180 <= p["median_ttft_ms"] <= 400
+    assert 45 <= p["median_tpot_ms"] <= 100 and 45 <= p["median_itl_ms"] <= 100
+    assert 180 + 8 * 45 <= p["median_e2el_ms"] <= 2 * (200 + 8 * 50)
     assert p["good_requests"] == 4
-    # all 4 ran at once: about one request's time, not four
-    assert p["duration_s"] < 1.2
+    # all 4 ran at once: about one request's time (0.6 s), not four in turn (2.4 s)
+    assert p["duration_s"] < 1.8
     assert p["output_throughput"] == pytest.approx(36 / p["duration_s"])
     body = fake.state.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -41,7 +41,7 @@ def test_chat_endpoint_skips_the_role_chunk(fake):
     fake.state.ttft, fake.state.tpot = 0.15, 0.02
     cfg = ClientConfig(base_url=fake.url, model="fake", endpoint="chat")
     p = run_point(cfg, _reqs(2, 5), LoadConfig(max_concurrency=2), use_tqdm=False)
-    assert p["completed"] == 2 and p["median_ttft_ms"] == pytest.approx(150, abs=50)
+    assert p["completed"] == 2 and 135 <= p["median_ttft_ms"] <= 300  # the role chunk (sent at once) is not a token
     assert fake.state.bodies[0]["messages"] == [{"role": "user", "content": "hello"}]
 
 
@@ -61,8 +61,8 @@ def test_request_rate_paces_arrivals(fake):
     arrivals = np.diff(fake.state.arrivals)
     assert p["completed"] == 10
     # burstiness -> inf: evenly spaced at 1/rate
-    assert float(np.median(arrivals)) == pytest.approx(0.05, abs=0.02)
-    assert 9 * 0.05 * 0.8 < fake.state.arrivals[-1] - fake.state.arrivals[0] < 9 * 0.05 * 1.6
+    assert 0.04 <= float(np.median(arrivals)) <= 0.1
+    assert 9 * 0.05 * 0.8 < fake.state.arrivals[-1] - fake.state.arrivals[0] < 9 * 0.05 * 3  # not a burst
 
 
 def test_arrival_offsets_are_poisson_or_gamma():
@@ -77,7 +77,7 @@ def test_max_duration_bounds_the_run(fake):
     fake.state.ttft, fake.state.tpot = 0.05, 0.05
     cfg = ClientConfig(base_url=fake.url, model="fake")
     p = run_point(cfg, _reqs(50, 10), LoadConfig(max_concurrency=2, max_duration_s=1.0), use_tqdm=False)
-    assert p["duration_s"] <= 1.05
+    assert p["duration_s"] <= 1.5  # cut at 1 s (the whole run would take ~14 s); room for a loaded machine
     assert 1 <= p["completed"] <= 6 and p["incomplete"] == 50 - p["completed"] and p["failed"] == 0
 
 
