@@ -89,14 +89,20 @@ def test_logprobs_are_the_model_distribution(llm):
     assert out.logprobs[0][out.token_ids[0]].logprob == pytest.approx(ref_lp.max().item(), abs=1e-4)
 
 
-def test_prompt_logprobs_survive_chunking(llm):
+def test_prompt_logprobs_survive_chunking_and_bypass_the_prefix_cache(llm):
+    prompt = " ".join([PROMPT] * 8)  # several full blocks: the prefix cache can hold them
+    llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)  # cache the prompt's blocks
+    stats = llm.engine.core.kv_cache_manager.stats
+    hits = stats.hits
+    llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert stats.hits > hits  # a plain request now starts from cached blocks
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
-    whole = llm.generate(PROMPT, sp, use_tqdm=False)[0]
+    whole = llm.generate(prompt, sp, use_tqdm=False)[0]  # ... this one must compute every position
     ids = whole.prompt_token_ids
     assert len(whole.prompt_logprobs) == len(ids) and whole.prompt_logprobs[0] is None
     assert all(ids[i] in whole.prompt_logprobs[i] for i in range(1, len(ids)))
     chunked = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=5)
-    parts = chunked.generate(PROMPT, sp, use_tqdm=False)[0].prompt_logprobs
+    parts = chunked.generate(prompt, sp, use_tqdm=False)[0].prompt_logprobs
     assert len(parts) == len(ids)
     for i in range(1, len(ids)):
         assert parts[i][ids[i]].logprob == pytest.approx(whole.prompt_logprobs[i][ids[i]].logprob, abs=1e-4)
