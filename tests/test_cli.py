@@ -84,10 +84,13 @@ def test_no_prompt(capsys):
     assert "no prompt given" in _error_line(capsys, ["generate"])
 
 
-@pytest.mark.parametrize("flag", [["--temperature", "-1"], ["--top-p", "0"], ["--dtype", "float16"]])
-def test_bad_sampling_or_dtype(capsys, flag):
-    line = _error_line(capsys, ["generate", "--prompt", "hi", *flag])
-    assert line.startswith("rivulet: error:")
+@pytest.mark.parametrize("flag, reason", [
+    (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["--dtype", "float16"], "dtype float16 is not supported on cpu; use one of: float32, bfloat16"),
+])
+def test_bad_sampling_or_dtype(capsys, flag, reason):
+    assert _error_line(capsys, ["generate", "--prompt", "hi", *flag]) == f"rivulet: error: {reason}"
 
 
 def test_chat_streams_a_reply_and_exits_on_eof():

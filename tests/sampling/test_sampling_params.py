@@ -82,7 +82,10 @@ def test_invalid_values_name_field_and_value(kwargs: dict, message: str) -> None
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict) -> None:
-    SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs)
+    for name, value in kwargs.items():  # kept as given (logit_bias values as floats)
+        got = getattr(params, name)
+        assert got == ({k: float(v) for k, v in value.items()} if name == "logit_bias" else value), (name, got)
 
 
 def test_logit_bias_string_keys_become_ints() -> None:
