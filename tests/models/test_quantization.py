@@ -24,9 +24,10 @@ def test_quantized_decode_is_close_to_float32(method, kind, tiny_model_dir):
     r = make_runner(path, quantization=method)
     got = teacher_forced_logits(r, ids, chunks=[16], blocks=list(range(12)))
     cos = torch.nn.functional.cosine_similarity(got[16:], ref[16:], dim=-1)  # the one-token steps
-    # an MoE step can route a token to other experts after a small upstream change: judge it by the median
-    worst = cos.median() if kind == "qwen3-moe" else cos.min()
-    assert worst >= MIN_COSINE[method], cos
+    # an MoE step can route a token to other experts after a small upstream change: int4 may lose one of the 8
+    # steps that way (measured: 7 steps 0.971-0.991, one 0.57); int8 keeps every step (>= 0.9995 measured)
+    allowed_off = 1 if kind == "qwen3-moe" and method == "int4" else 0
+    assert int((cos < MIN_COSINE[method]).sum()) <= allowed_off, cos
     assert not torch.equal(got[16:], ref[16:])  # the quantized kernels really ran
     # the prefill chunk (16 rows > MAX_ROWS) ran on the original weights: same as float32
     assert 16 > MAX_ROWS
