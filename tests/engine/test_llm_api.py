@@ -155,3 +155,6 @@ def test_chat_uses_the_template(llm):
     assert tok.decode(out.prompt_token_ids).startswith("<|im_start|>system")
     assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\n")
     assert out.outputs[0].text
+    same = llm.generate({"prompt_token_ids": out.prompt_token_ids}, SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0]  # chat is generate on the rendered prompt, nothing more
+    assert out.outputs[0].text == same.outputs[0].text
