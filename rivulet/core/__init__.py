@@ -1,11 +1,11 @@
 """Request state, the paged KV cache manager and the scheduler. Pure Python: no torch."""
 
-from rivulet.core.block_pool import BlockPool, KVCacheBlock
+from rivulet.core.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
 from rivulet.core.kv_cache_manager import (
-    ROOT_HASH,
     KVCacheManager,
     PrefixCacheStats,
     hash_block_tokens,
+    root_key,
 )
 from rivulet.core.outputs import (
     CachedRequestData,
@@ -23,15 +23,16 @@ __all__ = [
     "EngineCoreOutput",
     "FINISH_REASONS",
     "KVCacheBlock",
+    "KVCacheEvent",
     "KVCacheManager",
     "NewRequestData",
     "PrefixCacheStats",
     "Request",
     "RequestQueue",
-    "ROOT_HASH",
     "RequestStatus",
     "Scheduler",
     "SchedulerOutput",
     "SchedulerStats",
     "hash_block_tokens",
+    "root_key",
 ]

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rivulet.core.block_pool import BlockPool, KVCacheBlock
 from rivulet.core.request import Request
 
-
-# Stands in for the parent of the first block. (``hash(None)`` is not stable across
-# processes before Python 3.12; ints and tuples of ints always are.)
-ROOT_HASH = 0x52_49_56_55
+KEY_VERSION = b"rivulet-kv-1"
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of one full block, chained from the block before it
-    (``parent_hash`` None for the first block). Deterministic across processes.
+def root_key(namespace: bytes = b"", cache_salt: str | None = None) -> bytes:
+    """The parent key of a request's first block: the cache's ``namespace`` (the model's identity, so
+    two models never share a key) and the request's ``cache_salt`` (tenants with different salts never
+    hit each other's blocks, so none can probe what another has cached)."""
+    salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode()
+    return hashlib.sha256(KEY_VERSION + b"\x00" + namespace + b"\x00" + salt).digest()
+
+
+def hash_block_tokens(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of one full block: sha256 of its parent block's key (``root_key`` for the first) and its
+    token ids (int32, little-endian). The same in every process and on every machine, so a key can name
+    a block on disk or in another replica; a collision would need one of sha256.
     """
-    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+    return hashlib.sha256(parent + array("i", token_ids).tobytes()).digest()
 
 
 @dataclass
@@ -35,12 +44,14 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates paged KV blocks to requests and shares full blocks by content hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 namespace: bytes = b"") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.namespace = namespace  # the model's identity: part of every block key
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
@@ -74,9 +85,10 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks)
         hits: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        bs, tokens = self.block_size, request.all_token_ids
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            if block is None or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):  # a hit is checked
                 break
             hits.append(block.block_id)
         return hits, len(hits) * self.block_size
@@ -136,9 +148,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request, num_full)
-        blocks = self.req_to_blocks[rid]
+        blocks, bs, tokens = self.req_to_blocks[rid], self.block_size, request.all_token_ids
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
         self.num_cached_blocks[rid] = num_full
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
@@ -147,5 +159,5 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            parent = hashes[-1] if hashes else root_key(self.namespace, request.cache_salt)
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))

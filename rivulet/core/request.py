@@ -55,8 +55,9 @@ class Request:
     will sample but that have not arrived yet (at most one per step in flight), so the
     scheduler can schedule step N+1 before step N's tokens are known. ``spec_token_ids``
     are draft tokens to verify in the next step (set by a proposer, consumed by schedule()).
-    ``block_hashes`` is filled by the KV cache manager: the chained hash of each
-    full block of ``all_token_ids`` (tokens never change, so neither do hashes).
+    ``block_hashes`` is filled by the KV cache manager: the chained key of each
+    full block of ``all_token_ids`` (tokens never change, so neither do keys); ``cache_salt``
+    enters the first key, so only requests with the same salt share cached blocks.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         sampling_params: Any = None,
         use_prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -83,6 +85,7 @@ class Request:
         self.sampling_params = sampling_params
         # off when every prompt position must be computed (e.g. prompt logprobs are wanted)
         self.use_prefix_cache = use_prefix_cache
+        self.cache_salt = cache_salt
 
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -95,7 +98,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit tokens; -1 until first scheduled
         self.error: str | None = None
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self._seq = next(_arrival_counter)  # breaks ties between equal arrival times
 
     @property

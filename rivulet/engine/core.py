@@ -18,7 +18,7 @@ With speculative decoding the loop runs synchronously (drafts need the last toke
 from __future__ import annotations
 
 import dataclasses
-
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +38,14 @@ from rivulet.structured import StructuredOutputManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+def kv_namespace(config: EngineConfig, source: ModelSource) -> bytes:
+    """The model's identity in every KV block key: its weights files and what changes the numbers the
+    KV cache holds (dtype, quantization, dummy weights' seed)."""
+    m = config.model
+    ident = f"{source.fingerprint()}|{m.dtype}|{m.quantization}|{m.load_format}|{m.seed if m.load_format == 'dummy' else ''}"
+    return hashlib.sha256(ident.encode()).digest()
 
 
 class EngineCore:
@@ -68,7 +76,8 @@ class EngineCore:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max_model_len %d", num_blocks, bs,
                     num_blocks * bs, num_blocks * self.executor.kv_bytes_per_block() / 2**20, model_len)
-        self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching,
+                                               kv_namespace(config, source))
         spec = config.speculative
         # a draft model writes its guesses after a sampling step's tokens: room for them
         lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0

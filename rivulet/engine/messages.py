@@ -29,16 +29,17 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int
     use_prefix_cache: bool
     sampling_params: SamplingParams | None
+    cache_salt: str | None
 
     @classmethod
     def of(cls, r: Request) -> AddRequest:
         return cls(r.request_id, r.prompt_token_ids, r.max_tokens, sorted(r.eos_token_ids), sorted(r.stop_token_ids),
-                   r.min_tokens, r.priority, r.use_prefix_cache, r.sampling_params)
+                   r.min_tokens, r.priority, r.use_prefix_cache, r.sampling_params, r.cache_salt)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.max_tokens, self.eos_token_ids,
                        self.stop_token_ids, self.min_tokens, self.priority, sampling_params=self.sampling_params,
-                       use_prefix_cache=self.use_prefix_cache)
+                       use_prefix_cache=self.use_prefix_cache, cache_salt=self.cache_salt)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

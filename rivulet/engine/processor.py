@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # transformers takes ~1 s to import: loaded with the tokenize
     from transformers import PreTrainedTokenizerBase
 
 PromptType = str | dict[str, Any] | list[int]
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})  # a dict prompt's fields (as vLLM's)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class RequestProcessor:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a string, a token-id list, or {"prompt"/"prompt_token_ids": ...}."""
+        unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
+        if unknown:
+            raise RivuletError(f"unknown prompt field {unknown[0]!r}; a prompt dict has {', '.join(sorted(PROMPT_KEYS))}")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -66,6 +70,9 @@ class RequestProcessor:
         if request_id in self.requests:
             raise RivuletError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise RivuletError(f"cache_salt must be a non-empty string, not {salt!r}")
         self._validate(ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
@@ -82,7 +89,8 @@ class RequestProcessor:
             self._samples[cid] = _Sample(request_id, i, detok, outputs[i])
             core_requests.append(Request(
                 cid, ids, max_tokens, () if p.ignore_eos and not so else self.eos_token_ids, p.stop_token_ids or (),
-                p.min_tokens, priority, sampling_params=p, use_prefix_cache=p.prompt_logprobs is None))
+                p.min_tokens, priority, sampling_params=p, use_prefix_cache=p.prompt_logprobs is None,
+                cache_salt=salt))
         return core_requests
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:

@@ -159,13 +159,14 @@ def test_reset_prefix_cache() -> None:
     assert kv.get_computed_blocks(make_request("b", prompt)) == ([], 0)
 
 
-def test_block_hash_is_the_same_in_every_process() -> None:
+def test_block_key_is_the_same_in_every_process() -> None:
     import subprocess
     import sys
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    code = "from rivulet.core import hash_block_tokens as h; print(h(h(None, (1, 2)), (3, 4)))"
+    code = ("from rivulet.core import hash_block_tokens as h, root_key as r; "
+            "print(h(h(r(b'm', 's'), (1, 2)), (3, 4)).hex())")
     values = {
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -174,3 +175,64 @@ def test_block_hash_is_the_same_in_every_process() -> None:
         for seed in ("1", "2")
     }
     assert len(values) == 1
+    # and it is sha256 of the parent key and the int32 little-endian token ids: stable across versions
+    import hashlib
+    import struct
+
+    from rivulet.core import hash_block_tokens, root_key
+
+    parent = root_key(b"m", "s")
+    assert parent == hashlib.sha256(b"rivulet-kv-1\x00m\x00\x01s").digest()
+    assert hash_block_tokens(parent, [1, 2]) == hashlib.sha256(parent + struct.pack("<2i", 1, 2)).digest()
+    assert values == {hash_block_tokens(hash_block_tokens(parent, [1, 2]), [3, 4]).hex() + "\n"}
+
+
+def test_cache_salt_and_namespace_separate_cached_prefixes() -> None:
+    kv = KVCacheManager(32, 4)
+    prompt = list(range(9))
+    prefill(kv, make_request("a", prompt))
+    salted = make_request("b", prompt)
+    salted.cache_salt = "tenant-1"
+    assert kv.get_computed_blocks(salted) == ([], 0)  # another tenant's blocks are invisible
+    prefill(kv, salted)
+    again = make_request("c", prompt)
+    again.cache_salt = "tenant-1"
+    assert kv.get_computed_blocks(again) == (kv.get_block_ids("b")[:2], 8)
+    assert kv.get_computed_blocks(make_request("d", prompt)) == (kv.get_block_ids("a")[:2], 8)
+    # the same tokens under another model's namespace get other keys
+    other = KVCacheManager(32, 4, namespace=b"another model")
+    e = make_request("e", prompt)
+    other.get_computed_blocks(e)
+    assert e.block_hashes and not set(e.block_hashes) & set(kv.block_pool.cached)
+
+
+def test_a_hit_is_checked_against_the_tokens() -> None:
+    kv = KVCacheManager(16, 4)
+    a = make_request("a", list(range(9)))
+    prefill(kv, a)
+    # forge a collision: another chain's first key now names block 0, which holds other tokens
+    b = make_request("b", [7, 7, 7, 7, 8])
+    kv.get_computed_blocks(b)
+    kv.block_pool.cached[b.block_hashes[0]] = kv.block_pool.blocks[0]
+    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(make_request("c", list(range(9)))) == ([0, 1], 8)
+
+
+def test_caching_and_eviction_raise_events() -> None:
+    from rivulet.core import KVCacheEvent
+
+    kv = KVCacheManager(3, 4)
+    events: list[KVCacheEvent] = []
+    kv.block_pool.listeners.append(events.append)
+    a = make_request("a", list(range(9)))
+    prefill(kv, a)
+    assert [(e.kind, e.block_hash, e.block_id, e.token_ids) for e in events] == [
+        ("stored", a.block_hashes[0], 0, (0, 1, 2, 3)), ("stored", a.block_hashes[1], 1, (4, 5, 6, 7))]
+    kv.free(a)
+    events.clear()
+    prefill(kv, make_request("b", [50] * 10))  # needs all 3 blocks: the cached ones are evicted
+    assert [(e.kind, e.block_hash) for e in events if e.kind == "removed"] == [
+        ("removed", a.block_hashes[1]), ("removed", a.block_hashes[0])]
+    kv.free(make_request("b", []))
+    events.clear()
+    assert kv.reset_prefix_cache() and [e.kind for e in events] == ["cleared"]

@@ -89,6 +89,23 @@ def test_logprobs_are_the_model_distribution(llm):
     assert out.logprobs[0][out.token_ids[0]].logprob == pytest.approx(ref_lp.max().item(), abs=1e-4)
 
 
+def test_cache_salt_keeps_tenants_apart(llm):
+    prompt = "In the tenant's own words: " + PROMPT  # shares no leading block with other tests' prompts
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(salt):
+        p = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+        return llm.generate(p, sp, use_tqdm=False)[0]
+
+    first = run("tenant-a")
+    assert first.num_cached_tokens == 0
+    same = run("tenant-a")
+    assert same.num_cached_tokens >= 32 and same.outputs[0].token_ids == first.outputs[0].token_ids
+    other, unsalted = run("tenant-b"), run(None)  # cached, but under another salt: computed again
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    assert other.outputs[0].token_ids == unsalted.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_prompt_logprobs_survive_chunking_and_bypass_the_prefix_cache(llm):
     prompt = " ".join([PROMPT] * 8)  # several full blocks: the prefix cache can hold them
     llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)  # cache the prompt's blocks
@@ -123,7 +140,12 @@ def test_prompt_logprobs_survive_chunking_and_bypass_the_prefix_cache(llm):
      r"token id -1 is outside the vocabulary \(size 49152\)"),
     (lambda llm: llm.generate(PROMPT, SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False),
      r"logit_bias token id 10000000 is outside the vocabulary \[0, 49152\)"),
-], ids=["neg-temp", "top_p-0", "top_p-1.5", "n-0", "too-long", "empty", "oov", "negative-id", "bias-oov"])
+    (lambda llm: llm.generate({"prompt": PROMPT, "cache_salt": ""}, use_tqdm=False),
+     "cache_salt must be a non-empty string, not ''"),
+    (lambda llm: llm.generate({"prompt": PROMPT, "salt": "x"}, use_tqdm=False),
+     "unknown prompt field 'salt'; a prompt dict has cache_salt, prompt, prompt_token_ids"),
+], ids=["neg-temp", "top_p-0", "top_p-1.5", "n-0", "too-long", "empty", "oov", "negative-id", "bias-oov",
+        "empty-salt", "unknown-field"])
 def test_bad_input_is_a_clear_value_error_and_engine_survives(llm, make_bad, message):
     with pytest.raises(RivuletError, match=message):  # RivuletError is a ValueError
         make_bad(llm)

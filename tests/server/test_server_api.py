@@ -48,7 +48,11 @@ def test_chat_stream_joined_equals_non_stream(client: openai.OpenAI) -> None:
     assert text == choice.message.content
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [choice.finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == u.model_dump()
+    su = chunks[-1].usage
+    assert chunks[-1].choices == [] and su.model_dump(exclude={"prompt_tokens_details"}) == \
+        u.model_dump(exclude={"prompt_tokens_details"})
+    # the streamed request came second: its whole-block prefix was cached by the first
+    assert su.prompt_tokens_details.cached_tokens == (u.prompt_tokens - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -77,6 +81,27 @@ def test_max_tokens_gives_length_and_usage(client: openai.OpenAI) -> None:
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5
+
+
+def test_cached_tokens_in_usage_and_cache_salt(client: openai.OpenAI, http: httpx.Client) -> None:
+    doc = "Salted document: " + " ".join(f"line {i} of the shared manual." for i in range(12))  # > 5 blocks
+
+    def cached(**extra: object) -> int:
+        out = client.completions.create(model="smol", prompt=doc, max_tokens=1, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="a") == 0
+    hit = cached(cache_salt="a")
+    assert hit >= 64 and hit % 16 == 0  # whole blocks of the same tenant's prompt
+    assert cached(cache_salt="b") == 0 and cached() == 0  # another tenant, or none, sees nothing of it
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": doc}], max_tokens=1,
+                                          extra_body={"cache_salt": "a"})
+    again = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": doc}], max_tokens=1,
+                                           extra_body={"cache_salt": "a"})
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64
+    r = http.post("/v1/completions", json={"model": "smol", "prompt": doc, "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:

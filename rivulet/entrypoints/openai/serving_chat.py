@@ -116,7 +116,8 @@ class ChatHandler:
                 params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                     params.structured_outputs, after_token_ids=end))
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            group.add({"prompt": text, "prompt_token_ids": ids}, params, request_id, body.priority)
+            group.add({"prompt": text, "prompt_token_ids": ids, "cache_salt": body.cache_salt}, params, request_id,
+                      body.priority)
             if body.stream:
                 firsts = await until_disconnected(raw.receive, group.prime())
                 events = self._events(body, model, request_id, len(ids), group, firsts[0], plan)
@@ -149,7 +150,7 @@ class ChatHandler:
                                           **reasoning_fields(reasoning))
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
-        usage = Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        usage = Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageModel(**usage.as_dict()))
 
     async def _events(self, body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int,
@@ -207,7 +208,7 @@ class ChatHandler:
                 for event in chunks(out):
                     yield event
             if body.include_usage:
-                usage = Usage(num_prompt_tokens, sum(len(c.token_ids) for c in last.outputs))
+                usage = Usage(num_prompt_tokens, sum(len(c.token_ids) for c in last.outputs), last.num_cached_tokens)
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": [], "usage": usage.as_dict()})
             yield SSE_DONE

@@ -57,7 +57,7 @@ class CompletionHandler:
                 items.append(_Prompt(text, ids, body.to_sampling_params(ctx.default_max_tokens(len(ids)))))
             request_id = f"cmpl-{uuid.uuid4().hex}"
             for i, item in enumerate(items):
-                group.add({"prompt": item.text, "prompt_token_ids": item.token_ids}, item.params,
+                group.add({"prompt": item.text, "prompt_token_ids": item.token_ids, "cache_salt": body.cache_salt}, item.params,
                           f"{request_id}-{i}", body.priority)
             if body.stream:
                 firsts = await until_disconnected(raw.receive, group.prime())
@@ -104,6 +104,7 @@ class CompletionHandler:
         usage = Usage()
         for p, (item, out) in enumerate(zip(items, finals)):
             usage.prompt_tokens += len(item.token_ids)
+            usage.cached_tokens += out.num_cached_tokens
             for c in out.outputs:
                 choices.append(self._choice(body, p * body.n + c.index, item, out, c))
                 usage.completion_tokens += 0 if self._echo_only(body) else len(c.token_ids)
@@ -188,7 +189,8 @@ class CompletionHandler:
                 for event in chunks(p, out):
                     yield event
             if body.include_usage:
-                usage = Usage(prompt_tokens=sum(len(it.token_ids) for it in items))
+                usage = Usage(prompt_tokens=sum(len(it.token_ids) for it in items),
+                              cached_tokens=sum(out.num_cached_tokens for out in last.values()))
                 if not echo_only:
                     usage.completion_tokens = sum(len(c.token_ids) for out in last.values() for c in out.outputs)
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,

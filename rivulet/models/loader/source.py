@@ -30,6 +30,17 @@ class ModelSource:
         assert self.gguf_file is not None
         return self.path / self.gguf_file
 
+    def fingerprint(self) -> str:
+        """Names the weights: resolved path, then name, size and modification time of each weights file
+        (the GGUF file, or the folder's safetensors/bin files). Equal while the files are unchanged."""
+        files = [self.gguf_path] if self.is_gguf else sorted(
+            p for pat in ("*.safetensors", "*.bin") for p in self.path.glob(pat))
+        parts = [str(self.path.resolve())]
+        for f in files:
+            st = f.stat()
+            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+        return "|".join(parts)
+
     def read_json(self, name: str) -> dict[str, Any] | None:
         p = self.path / name
         if not p.is_file():
