@@ -29,7 +29,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int
     use_prefix_cache: bool
     sampling_params: SamplingParams | None
-    cache_salt: str | None
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, r: Request) -> AddRequest:

@@ -22,12 +22,13 @@ def _params() -> SamplingParams:
 
 def test_add_request_round_trip_keeps_types() -> None:
     r = Request("r1", [5, 6, 7], 9, eos_token_ids=[2, 1], stop_token_ids=[42], min_tokens=2, priority=-1,
-                sampling_params=_params(), use_prefix_cache=False)
+                sampling_params=_params(), use_prefix_cache=False, cache_salt="tenant-7")
     got = m.to_core_decoder.decode(m.encode(m.AddRequest.of(r))).to_request()
     assert isinstance(got.sampling_params, SamplingParams) and got.sampling_params == r.sampling_params
     assert got.sampling_params.logit_bias == {17: -2.5, 3: 1.0}  # int keys come back as ints
     assert (got.request_id, got.prompt_token_ids, got.max_tokens, got.min_tokens, got.priority) == ("r1", [5, 6, 7], 9, 2, -1)
     assert got.eos_token_ids == {1, 2} and got.stop_token_ids == {42} and got.use_prefix_cache is False
+    assert got.cache_salt == "tenant-7"
 
 
 @pytest.mark.parametrize("msg", [m.Abort(["a", "b"]), m.Stop(["c"]), m.GetStats(), m.Shutdown()])
