@@ -51,6 +51,22 @@ class CacheConfig:
     memory_utilization: float = 0.9  # fraction of device memory (free memory on CPU)
     num_blocks: int | None = None  # override, mostly for tests
     enable_prefix_caching: bool = True
+    # the KV tier below the device pool (rivulet/core/kv_tier.py): host memory, then files on disk
+    kv_offload_memory: int | None = None  # bytes of host memory; None/0: no host tier
+    kv_tier_path: str | None = None  # folder of the disk tier; None: no disk tier
+    kv_tier_disk_bytes: int | None = None  # the disk tier's budget; None: 8 GiB, less if the disk has less free
+
+    def __post_init__(self) -> None:
+        for name in ("kv_offload_memory", "kv_tier_disk_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise RivuletError(f"{name} must be >= 0 bytes, got {v}")
+        if self.kv_tier_disk_bytes is not None and self.kv_tier_path is None:
+            raise RivuletError("kv_tier_disk_bytes needs kv_tier_path (the folder of the disk tier)")
+
+    @property
+    def kv_tier_enabled(self) -> bool:
+        return bool(self.kv_offload_memory) or self.kv_tier_path is not None
 
 
 @dataclass(frozen=True)

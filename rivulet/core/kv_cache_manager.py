@@ -95,7 +95,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None,
-        num_lookahead_tokens: int = 0,
+        num_lookahead_tokens: int = 0, register: bool = True,
     ) -> list[int] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens``
         after them: scratch room, e.g. for a draft model's guesses, never cached).
@@ -103,6 +103,8 @@ class KVCacheManager:
         ``new_computed_blocks`` are prefix hits from ``get_computed_blocks`` (only for a
         request that holds no blocks yet); they are shared, not copied. Returns the ids
         of newly allocated blocks, or None, allocating nothing, if too few are free.
+        ``register=False`` (blocks the KV tier is about to fill): the new blocks are not put in the
+        prefix cache and the admission is not counted; ``cache_loaded`` registers them once filled.
         """
         hits = [self.block_pool.blocks[i] for i in new_computed_blocks or ()]
         req_blocks = self.req_to_blocks.get(request.request_id)
@@ -118,16 +120,28 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = 0
-            self.stats.queries += request.num_tokens
-            self.stats.hits += len(hits) * self.block_size
+            if register:
+                self.stats.queries += request.num_tokens
+                self.stats.hits += len(hits) * self.block_size
         self.block_pool.touch(hits)
         req_blocks.extend(hits)
         new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
         req_blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self.num_cached_blocks[request.request_id] += len(hits)
-            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            if register:
+                self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def cache_loaded(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks up to ``num_tokens`` (a whole number of blocks the KV tier filled)."""
+        if self.enable_prefix_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, num_tokens)
+
+    def block_keys(self, request: Request, first: int, end: int) -> list[bytes]:
+        """The keys of the request's full blocks ``first .. end - 1``."""
+        self._update_block_hashes(request, end)
+        return request.block_hashes[first:end]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so the tail is evicted first. Idempotent."""

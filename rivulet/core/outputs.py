@@ -62,6 +62,12 @@ class SchedulerOutput:
     # 32w + j), one row per logits row of the step in batch order; None when no row is constrained
     grammar_bitmask: bytes | None = None
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # the KV tier (rivulet/core/kv_tier.py): blocks to copy out after this step's forward (device block,
+    # host slot or -1, file key or "", token ids), block files to delete, and per request the blocks to load
+    # into its device blocks (device block, host slot or -1 for the file, key, token ids), reported when done
+    kv_saves: list[tuple[int, int, str, list[int]]] = field(default_factory=list)
+    kv_deletes: list[str] = field(default_factory=list)
+    kv_loads: dict[str, list[tuple[int, int, str, list[int]]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

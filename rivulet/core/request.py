@@ -10,20 +10,21 @@ from typing import Any
 
 
 class RequestStatus(enum.IntEnum):
-    """Where a request is in its life; every value after PREEMPTED is final."""
+    """Where a request is in its life; every value after WAITING_FOR_KV is final."""
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_KV = 3  # its cached blocks are being loaded from the KV tier into its device blocks
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
         """True for the four FINISHED_* states."""
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.WAITING_FOR_KV
 
     @property
     def finish_reason(self) -> str | None:
@@ -98,6 +99,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit tokens; -1 until first scheduled
         self.error: str | None = None
         self.num_preemptions = 0
+        self.skip_kv_tier = False  # a load from the KV tier failed: compute the rest
         self.block_hashes: list[bytes] = []
         self._seq = next(_arrival_counter)  # breaks ties between equal arrival times
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rivulet.config import RivuletError, SchedulerConfig
 from rivulet.core.kv_cache_manager import KVCacheManager
+from rivulet.core.kv_tier import KVTier
 from rivulet.core.outputs import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from rivulet.core.request import Request, RequestStatus
 from rivulet.core.request_queue import RequestQueue
@@ -36,10 +37,15 @@ class Scheduler:
     this step's ``update_from_output`` (async scheduling: at most one step in flight ahead of
     the updates); a request whose in-flight token surely ends it (its last allowed token) is
     not scheduled again. Called strictly in turn, it behaves as a synchronous scheduler.
+
+    With a KV tier, a waiting request whose next blocks are in host memory or on disk is given device
+    blocks for them and waits (WAITING_FOR_KV, no step's budget spent) while the worker loads them; once
+    the load is reported (``update_kv_tier``) the blocks are in the device pool's prefix cache and the
+    request waits again, at its old place, to be admitted with them as prefix hits.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, kv_tier: KVTier | None = None) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(cfg, name) < 1:
@@ -54,6 +60,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule()
         self._error_outputs: list[EngineCoreOutput] = []  # not yet returned
+        self.kv_tier = kv_tier if kv_tier is not None and kv_tier.enabled else None
+        if self.kv_tier is not None:
+            kv_cache_manager.block_pool.listeners.append(self.kv_tier.on_event)
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_KV (or finished meanwhile) until the load reports
 
     # ---- requests in and out ----
 
@@ -92,7 +102,8 @@ class Scheduler:
             self._release(req, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests left, or KV tier loads whose report is due."""
+        return bool(self.requests) or bool(self.loading)
 
     def has_finished_to_report(self) -> bool:
         """Requests finished since the last schedule(), which the runner has yet to drop."""
@@ -107,12 +118,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(1 for r in self.loading.values() if not r.is_finished)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
-            len(self.running), len(self.waiting), kv.usage, kv.stats.queries, kv.stats.hits,
+            len(self.running), self.num_waiting, kv.usage, kv.stats.queries, kv.stats.hits,
             self.num_preemptions,
         )
 
@@ -126,6 +137,8 @@ class Scheduler:
         if not out.preempted_request_ids:  # memory is short: admit nobody this step
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        if self.kv_tier is not None:
+            out.kv_saves, out.kv_deletes = self.kv_tier.take_ops()
         return out
 
     def _remaining(self, req: Request) -> int:
@@ -222,7 +235,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in service order while budget, seq cap and blocks allow."""
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token still in flight: it arrives first
                 break
@@ -231,6 +244,14 @@ class Scheduler:
                 self._fail_too_big(req, req.num_tokens)
                 continue
             hit_ids, num_hit = kv.get_computed_blocks(req)
+            if self.kv_tier is not None and req.use_prefix_cache and not req.skip_kv_tier:
+                found = self._tier_lookup(req, num_hit)
+                if found is None:
+                    break  # some of its blocks are being loaded for another request: they come first
+                if found:
+                    if not self._start_load(req, hit_ids, num_hit, found, out):
+                        break
+                    continue
             num_new = min(req.num_tokens - num_hit, budget)
             if kv.allocate_slots(req, num_new, hit_ids, self._lookahead(req, num_hit + num_new)) is None:
                 break  # the head waits for memory; nobody overtakes it
@@ -249,6 +270,63 @@ class Scheduler:
             self._scheduled(req, num_new, 0, out)
             budget -= num_new
         return budget
+
+    # ---- the KV tier ----
+
+    def _tier_lookup(self, req: Request, num_hit: int) -> list[tuple[bytes, int]] | None:
+        """The request's blocks after its device hits found in the KV tier (None: wait for a load)."""
+        assert self.kv_tier is not None
+        kv = self.kv_cache_manager
+        first, end = num_hit // kv.block_size, (req.num_tokens - 1) // kv.block_size
+        if end <= first:
+            return []
+        keys = kv.block_keys(req, first, end)
+        found = self.kv_tier.lookup(keys)
+        if found is not None:
+            self.kv_tier.count_lookup(found, len(keys))
+        return found
+
+    def _start_load(self, req: Request, hit_ids: list[int], num_hit: int, found: list[tuple[bytes, int]],
+                    out: SchedulerOutput) -> bool:
+        """Give the head of the queue device blocks for its tier hits and ask the worker to fill them."""
+        assert self.kv_tier is not None
+        kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
+        if kv.allocate_slots(req, len(found) * bs, hit_ids, register=False) is None:
+            return False
+        self.waiting.pop_front()
+        req.status = RequestStatus.WAITING_FOR_KV
+        first = num_hit // bs
+        block_ids = kv.get_block_ids(req.request_id)[first:first + len(found)]
+        tokens = req.all_token_ids
+        token_ids = [tokens[(first + j) * bs:(first + j + 1) * bs] for j in range(len(found))]
+        out.kv_loads[req.request_id] = self.kv_tier.start_load(req.request_id, found, block_ids, token_ids)
+        req.num_computed_tokens = num_hit
+        self.loading[req.request_id] = req
+        return True
+
+    def update_kv_tier(self, loaded: dict[str, int], dropped: list[str], disk_error: str | None = None) -> None:
+        """Take the worker's KV tier report: finished loads (request id -> blocks loaded before the first
+        that failed), block keys whose files are gone or bad, a disk failure that ends the disk tier."""
+        tier = self.kv_tier
+        if tier is None:
+            return
+        if disk_error is not None and tier.disk_blocks:
+            tier.disable_disk(disk_error)
+        tier.drop(dropped)
+        kv = self.kv_cache_manager
+        for rid, num_ok in loaded.items():
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            asked = tier.finish_load(rid, num_ok)
+            if not req.is_finished:  # (a request finished while loading gave its blocks back only now)
+                if num_ok < asked:
+                    req.skip_kv_tier = True  # its next admission computes what failed to load
+                kv.cache_loaded(req, req.num_computed_tokens + num_ok * kv.block_size)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+            kv.free(req)  # the loaded blocks stay in the prefix cache: its admission hits them
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Drop ``req``'s KV (it is recomputed later) and put it back in the waiting queue."""
@@ -284,7 +362,8 @@ class Scheduler:
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and free blocks; the caller has taken ``req`` out of its queue."""
         req.status = status
-        self.kv_cache_manager.free(req)
+        if req.request_id not in self.loading:  # a load writes into the blocks of a loading one: freed on its report
+            self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
 
@@ -341,6 +420,8 @@ class Scheduler:
         return outputs
 
     def _remove_from_queue(self, req: Request) -> None:
+        if req.status == RequestStatus.WAITING_FOR_KV:
+            return  # in self.loading until its load reports
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
 
     def _check_stop(self, req: Request) -> bool:

@@ -33,6 +33,12 @@ class EngineArgs:
     kv_cache_memory: int | None = field(default=None, metadata=_opt("bytes for the KV cache"))
     num_kv_blocks: int | None = field(default=None, metadata=_opt("KV cache blocks (overrides --kv-cache-memory)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("share the KV of common prompt prefixes"))
+    kv_offload_memory: int | None = field(default=None, metadata=_opt(
+        "bytes of host memory for cached KV blocks below the device pool (the KV tier's first level)"))
+    kv_tier_path: str | None = field(default=None, metadata=_opt(
+        "folder for cached KV blocks on disk (the KV tier's last level; survives restarts)"))
+    kv_tier_disk_bytes: int | None = field(default=None, metadata=_opt(
+        "bytes the disk tier may take (default: 8 GiB, less if the disk has less free)"))
     async_scheduling: bool | None = field(default=None, metadata=_opt(
         "schedule step N+1 while step N runs (default: where the device computes apart from the host, i.e. "
         "not on CPU)"))
@@ -106,7 +112,9 @@ class EngineArgs:
                               compilation_level=self.compilation_level,
                               quantization=self.quantization),  # type: ignore[arg-type]
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                              num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),
+                              num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                              kv_offload_memory=self.kv_offload_memory, kv_tier_path=self.kv_tier_path,
+                              kv_tier_disk_bytes=self.kv_tier_disk_bytes),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(

@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import shutil
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.core import KVCacheManager, Request, Scheduler
+from rivulet.core.kv_tier import FILE_OVERHEAD, KVTier
 from rivulet.core.outputs import EngineCoreOutput, SchedulerOutput
 from rivulet.core.request import Request, RequestStatus
 from rivulet.engine.outputs import ModelInfo, StepOutput
@@ -38,6 +41,8 @@ from rivulet.structured import StructuredOutputManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_DISK_TIER_BYTES = 8 << 30
 
 
 def kv_namespace(config: EngineConfig, source: ModelSource) -> bytes:
@@ -72,16 +77,18 @@ class EngineCore:
         if num_blocks * bs < model_len:
             raise RivuletError(f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks), fewer than "
                                f"max_model_len {model_len}: give it more memory or lower max_model_len")
-        self.executor.initialize_cache(num_blocks)
+        namespace = kv_namespace(config, source)
+        tier = self._make_kv_tier(config, namespace)
+        self.executor.initialize_cache(num_blocks, tier.host_slots if tier else 0,
+                                       str(tier.disk_dir) if tier and tier.disk_dir else None)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max_model_len %d", num_blocks, bs,
                     num_blocks * bs, num_blocks * self.executor.kv_bytes_per_block() / 2**20, model_len)
-        self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching,
-                                               kv_namespace(config, source))
+        self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, namespace)
         spec = config.speculative
         # a draft model writes its guesses after a sampling step's tokens: room for them
         lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, lookahead)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, lookahead, tier)
         # the tokenizer lives with the front end; the config files give the end-of-sequence ids here
         self.eos_token_ids = eos_token_ids(source, arch.eos_token_ids, None)
         self.executor.set_eos_token_ids(self.eos_token_ids)
@@ -101,6 +108,37 @@ class EngineCore:
         self.structured = StructuredOutputManager(lambda: load_tokenizer(source, config.model.tokenizer),
                                                   arch.vocab_size)
 
+    def _make_kv_tier(self, config: EngineConfig, namespace: bytes) -> KVTier | None:
+        """The KV tier's index, sized from the flags in blocks (None without a tier). The disk tier's
+        files go to a subfolder named by the model's identity, so models can share one --kv-tier-path."""
+        cc = config.cache
+        if not cc.kv_tier_enabled:
+            return None
+        if not cc.enable_prefix_caching:
+            raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) keeps prefix-cache blocks: "
+                               "it needs prefix caching (drop --no-enable-prefix-caching)")
+        if config.parallel.world_size > 1:
+            raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) runs with one rank for now; "
+                               "drop it or the tensor/pipeline parallelism")
+        block_bytes = self.executor.kv_bytes_per_block()
+        host_slots = (cc.kv_offload_memory or 0) // block_bytes
+        disk_dir, disk_blocks = None, 0
+        if cc.kv_tier_path is not None:
+            disk_dir = Path(cc.kv_tier_path).expanduser() / f"{namespace.hex()[:16]}-b{cc.block_size}"
+            try:
+                disk_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RivuletError(f"--kv-tier-path: cannot create {disk_dir}: {e.strerror}") from None
+            budget = cc.kv_tier_disk_bytes
+            if budget is None:
+                budget = min(DEFAULT_DISK_TIER_BYTES, int(shutil.disk_usage(disk_dir).free * 0.9))
+            disk_blocks = budget // (block_bytes + FILE_OVERHEAD)
+        tier = KVTier(host_slots, disk_dir, disk_blocks)
+        logger.info("KV tier: %d blocks in host memory (%.1f MiB), %d on disk (%.2f GiB at %s, %d there already)",
+                    host_slots, host_slots * block_bytes / 2**20, disk_blocks,
+                    disk_blocks * (block_bytes + FILE_OVERHEAD) / 2**30, disk_dir, len(tier.disk))
+        return tier
+
     def model_info(self) -> ModelInfo:
         arch = self.executor.arch_config
         return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids))
@@ -108,6 +146,8 @@ class EngineCore:
     def get_stats(self) -> dict[str, Any]:
         """A snapshot for metrics: the scheduler's, the cache size, and speculative decoding's counters."""
         stats = dataclasses.asdict(self.scheduler.get_stats()) | {"num_blocks": self.num_blocks}
+        if self.scheduler.kv_tier is not None:
+            stats |= {f"kv_tier_{k}": v for k, v in dataclasses.asdict(self.scheduler.kv_tier.stats).items()}
         if self.speculative or self.proposer is not None:
             stats |= {f"spec_decode_{k}": v for k, v in dataclasses.asdict(self.spec_stats).items()}
         return stats
@@ -145,7 +185,8 @@ class EngineCore:
         their rows (an idle engine holds nothing of a finished request)."""
         if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
                 and self.scheduler.has_finished_to_report():
-            self.executor.execute(self.scheduler.schedule())
+            result = self.executor.execute(self.scheduler.schedule())
+            self.scheduler.update_kv_tier(result.kv_loaded, result.kv_dropped, result.kv_disk_error)
 
     def check_health(self) -> None:
         """Raise RivuletError if a part of the engine outside this process (a worker rank) is gone."""
@@ -228,6 +269,7 @@ class EngineCore:
                 req = self.scheduler.requests.get(rid)
                 if req is not None and req.grammar is not None:
                     self.structured.accept(req, toks)
+        self.scheduler.update_kv_tier(result.kv_loaded, result.kv_dropped, result.kv_disk_error)
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         for rid, drafts in result.draft_token_ids.items():
             req = self.scheduler.requests.get(rid)

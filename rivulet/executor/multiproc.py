@@ -115,8 +115,8 @@ class MultiprocExecutor:
     def kv_bytes_per_block(self) -> int:
         return self.worker.runner.kv_bytes_per_block()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call(AllocateKVCache(num_blocks))
+    def initialize_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
+        self._call(AllocateKVCache(num_blocks, host_slots, disk_dir))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self._call(Execute(out))

@@ -29,8 +29,8 @@ class UniProcExecutor:
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
+        self.runner.allocate_kv_cache(num_blocks, host_slots, disk_dir)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
@@ -49,4 +49,4 @@ class UniProcExecutor:
         return [Worker.local_stats(self._stats, name)]  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        pass
+        self.runner.shutdown()

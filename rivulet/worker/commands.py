@@ -22,6 +22,8 @@ class SetEosTokenIds(msgspec.Struct, tag="set_eos", array_like=True):
 
 class AllocateKVCache(msgspec.Struct, tag="allocate_kv_cache", array_like=True):
     num_blocks: int
+    host_slots: int = 0  # the KV tier's host buffer, in blocks
+    disk_dir: str | None = None  # the KV tier's folder of block files
 
 
 class Gather(msgspec.Struct, tag="gather", array_like=True):

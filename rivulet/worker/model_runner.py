@@ -20,6 +20,7 @@ from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
 from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
 from rivulet.worker.draft_runner import DraftRunner
 from rivulet.worker.input_batch import InputBatch, StepInputs
+from rivulet.worker.kv_tier import KVTierWorker
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class ModelRunner:
                     time.perf_counter() - loaded)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_tier: KVTierWorker | None = None  # copies of the KV tier below the cache (host memory, files)
+        self._idle_step = False  # the last step computed nothing: its report may wait for a tier load
         self.sampler = Sampler()
         self.batch = InputBatch(cache_config.block_size, self.arch.vocab_size, self.device)
         self._pending: tuple[StepInputs, torch.Tensor, torch.Tensor | None] | None = None
@@ -79,6 +82,10 @@ class ModelRunner:
     def set_eos_token_ids(self, ids: set[int]) -> None:
         self.eos_token_ids = set(ids)
 
+    def shutdown(self) -> None:
+        if self.kv_tier is not None:
+            self.kv_tier.shutdown()
+
     # ---- KV cache ----
 
     def _kv_layers(self) -> list[Attention]:
@@ -101,7 +108,8 @@ class ModelRunner:
                 budget = min(budget, 2 << 30)  # leave the rest of host memory to the system
         return max(budget // self.kv_bytes_per_block(), 0)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
+        """The paged cache; with ``host_slots`` or ``disk_dir`` also the KV tier's copier below it."""
         bs = self.cache_config.block_size
         self.kv_caches = []
         for a in self._kv_layers():
@@ -110,6 +118,8 @@ class ModelRunner:
             self.kv_caches.append(cache)
         # keys, then values, of every layer: each region in block order, as fresh blocks are handed out
         self.prefaulter = self.platform.prefault([half for c in self.kv_caches for half in c.unbind(0)])
+        if host_slots or disk_dir is not None:
+            self.kv_tier = KVTierWorker(self.kv_caches, host_slots, disk_dir, pin_memory=self.platform.name == "cuda")
         if self.use_cuda_graphs:
             self._capture_cuda_graphs()
 
@@ -168,10 +178,19 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.update(out)
         self._pending = None
+        tier = self.kv_tier
+        if tier is not None:
+            tier.delete(out.kv_deletes)
+            tier.start_loads(out.kv_loads)
+        self._idle_step = out.is_empty
         if out.is_empty:
+            if tier is not None and out.kv_saves:
+                tier.save(out.kv_saves)
             return None
         step = self.batch.prepare(out)
         hidden = self._run_model(step.flat)
+        if tier is not None and out.kv_saves:  # the blocks this step computed, before a later step reuses them
+            tier.save(out.kv_saves)
         if hidden is None:  # a pipeline stage before the last: it sent its hidden states on
             return None
         logits = self.model.compute_logits(hidden[step.flat.logits_indices]) if step.sample.any() else None
@@ -185,6 +204,9 @@ class ModelRunner:
         `grammar_bitmask` (int32 [sampling rows, ceil(vocab / 32)], bit j of word w allows token 32w + j)
         masks each row's disallowed tokens before sampling."""
         result = ModelRunnerOutput()
+        if self.kv_tier is not None:  # an idle step waits a little for a load rather than spin
+            result.kv_loaded, result.kv_dropped, result.kv_disk_error = \
+                self.kv_tier.report(wait_s=0.05 if self._idle_step else 0.0)
         if self._pending is None:
             return result
         step, hidden, logits = self._pending

@@ -25,3 +25,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs | None]]] = field(default_factory=dict)
     # a draft model's guesses of each request's next tokens, for the next step to verify
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # the KV tier: loads finished since the last step (request id -> blocks loaded, in order, before the
+    # first that failed), block keys whose file is gone or bad or could not be written, a disk failure
+    kv_loaded: dict[str, int] = field(default_factory=dict)
+    kv_dropped: list[str] = field(default_factory=list)
+    kv_disk_error: str | None = None

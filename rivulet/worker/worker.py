@@ -53,7 +53,7 @@ class Worker:
         if isinstance(command, SetEosTokenIds):
             return self.runner.set_eos_token_ids(set(command.ids))
         if isinstance(command, AllocateKVCache):
-            return self.runner.allocate_kv_cache(command.num_blocks)
+            return self.runner.allocate_kv_cache(command.num_blocks, command.host_slots, command.disk_dir)
         raise TypeError(f"not a command a worker runs: {command!r}")
 
     def execute(self, out: Any) -> ModelRunnerOutput:

@@ -188,9 +188,12 @@ def check_invariants(sched: Scheduler) -> None:
     assert kv.num_free_blocks + num_used == kv.num_blocks
     running = {r.request_id for r in sched.running}
     waiting = {r.request_id for r in sched.waiting}
-    assert not running & waiting
-    assert running | waiting == set(sched.requests)
-    assert set(kv.req_to_blocks) == running
+    loading = set(sched.loading)  # KV tier loads in flight (some of finished requests, holding blocks till then)
+    assert not running & waiting and not loading & (running | waiting)
+    assert running | waiting == set(sched.requests) - loading
+    assert all(r.status == RequestStatus.WAITING_FOR_KV or r.is_finished for r in sched.loading.values())
+    assert {rid for rid, r in sched.loading.items() if not r.is_finished} <= set(sched.requests)
+    assert set(kv.req_to_blocks) == running | loading
     assert len(running) <= sched.config.max_num_seqs
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING

@@ -6,13 +6,14 @@ from rivulet.core import Request, RequestStatus
 
 
 def test_finished_statuses_and_openai_reasons() -> None:
-    assert [s.is_finished for s in RequestStatus] == [False, False, False, True, True, True, True]
+    assert [s.is_finished for s in RequestStatus] == [False, False, False, False, True, True, True, True]
     assert RequestStatus.FINISHED_STOPPED.finish_reason == "stop"
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
     assert RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
     assert RequestStatus.FINISHED_ERROR.finish_reason == "error"
     assert RequestStatus.RUNNING.finish_reason is None
     assert RequestStatus.PREEMPTED.finish_reason is None
+    assert RequestStatus.WAITING_FOR_KV.finish_reason is None
 
 
 def test_request_token_bookkeeping() -> None:
