@@ -135,6 +135,14 @@ def format_summary(s: dict[str, Any], title: str = "Serving Benchmark Result") -
         row(f"Median {name.upper()} (ms):", s[f"median_{name}_ms"])
         for p in PERCENTILES[1:]:
             row(f"P{p} {name.upper()} (ms):", s[f"p{p}_{name}_ms"])
+    if "prefix_cache" in s:
+        d = s["prefix_cache"]
+        lines.append(f"{' Prefix Cache ':-^60}")
+        row("Queried tokens:", d["queries"])
+        row("Hit tokens:", d["hits"])
+        row("Hit rate (%):", 100.0 * d["hit_rate"])
+        for k in sorted(k for k in d if k.startswith("tier_hits_")):
+            row(f"KV tier hits, {k.removeprefix('tier_hits_')} (blocks):", d[k])
     if "spec_decode" in s:
         d = s["spec_decode"]
         lines.append(f"{' Speculative Decoding ':-^60}")

@@ -232,14 +232,38 @@ async def warm_up(cfg: ClientConfig, req: SampleRequest, n: int) -> None:
 _SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-def spec_decode_counters(base_url: str) -> dict[str, float] | None:
-    """The server's speculative-decoding counters from /metrics (`rivulet:` or `vllm:spec_decode_*_total`,
-    summed over label sets); None where it exposes none (no speculation, or no /metrics)."""
+def scrape_metrics(base_url: str) -> str | None:
+    """The server's /metrics text, or None where it has none."""
     try:
         r = httpx.get(f"{base_url}/metrics", timeout=10.0)
     except httpx.HTTPError:
         return None
-    return parse_spec_counters(r.text) if r.status_code == 200 else None
+    return r.text if r.status_code == 200 else None
+
+
+def parse_cache_counters(text: str) -> dict[str, float] | None:
+    """Prefix-cache queries and hits in tokens (`rivulet:` or `vllm:prefix_cache_{queries,hits}_total`) and
+    the KV tier's block hits per tier (`rivulet:kv_tier_hits_total{tier=...}` -> "tier_hits_<tier>"), summed
+    over the other labels; None where the server counts no prefix-cache queries."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        metric = name.split("{", 1)[0].split(":", 1)[-1]
+        key = {"prefix_cache_queries_total": "queries", "prefix_cache_hits_total": "hits"}.get(metric)
+        if metric == "kv_tier_hits_total" and 'tier="' in name:
+            key = "tier_hits_" + name.split('tier="', 1)[1].split('"', 1)[0]
+        if key is not None:
+            found[key] = found.get(key, 0.0) + float(value.split()[0])
+    return found if "queries" in found else None
+
+
+def cache_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """What one point added: prefix-cache queries and hits (tokens), the hit rate, and KV tier hits (blocks)."""
+    if after is None:
+        return None
+    d: dict[str, Any] = {k: int(after[k] - (before or {}).get(k, 0)) for k in sorted(after)}
+    d["hit_rate"] = d["hits"] / d["queries"] if d["queries"] else 0.0
+    return d
 
 
 def parse_spec_counters(text: str) -> dict[str, float] | None:
@@ -267,11 +291,13 @@ def spec_decode_summary(before: dict[str, float] | None, after: dict[str, float]
 
 def run_point(cfg: ClientConfig, requests: Sequence[SampleRequest], load: LoadConfig,
               slo: dict[str, float] | None = None, use_tqdm: bool = True, desc: str = "") -> dict[str, Any]:
-    """One benchmark point: the load's settings plus the metrics summary (and the server's speculative
-    decoding counters over the point, where it has them)."""
+    """One benchmark point: the load's settings plus the metrics summary (and the server's prefix-cache and
+    speculative decoding counters over the point, where it has them)."""
     from tqdm import tqdm
 
-    spec_before = spec_decode_counters(cfg.base_url)
+    text = scrape_metrics(cfg.base_url)
+    spec_before = parse_spec_counters(text) if text else None
+    cache_before = parse_cache_counters(text) if text else None
     bar = tqdm(total=len(requests), desc=desc or "requests", unit="req", disable=not use_tqdm, leave=False)
     try:
         results, elapsed, cancelled = asyncio.run(run_load(cfg, requests, load, lambda: bar.update(1)))
@@ -281,9 +307,13 @@ def run_point(cfg: ClientConfig, requests: Sequence[SampleRequest], load: LoadCo
                              "max_concurrency": load.max_concurrency, "burstiness": load.burstiness,
                              "num_prompts": len(requests), "incomplete": cancelled}
     point.update(summarize(results, elapsed, slo))
-    spec = spec_decode_summary(spec_before, spec_decode_counters(cfg.base_url) if spec_before else None)
+    text = scrape_metrics(cfg.base_url) if text else None
+    spec = spec_decode_summary(spec_before, parse_spec_counters(text) if text and spec_before else None)
     if spec is not None:
         point["spec_decode"] = spec
+    cache = cache_summary(cache_before, parse_cache_counters(text) if text else None)
+    if cache is not None:
+        point["prefix_cache"] = cache
     return point
 
 

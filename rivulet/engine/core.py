@@ -53,9 +53,22 @@ def kv_namespace(config: EngineConfig, source: ModelSource) -> bytes:
     return hashlib.sha256(ident.encode()).digest()
 
 
+def check_kv_tier(config: EngineConfig) -> None:
+    """What the KV tier cannot run with (yet), said before anything is loaded."""
+    if not config.cache.kv_tier_enabled:
+        return
+    if not config.cache.enable_prefix_caching:
+        raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) keeps prefix-cache blocks: "
+                           "it needs prefix caching (drop --no-enable-prefix-caching)")
+    if config.parallel.world_size > 1:
+        raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) runs with one rank for now; "
+                           "drop it or the tensor/pipeline parallelism")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
+        check_kv_tier(config)
         self.executor = make_executor(config, source)
         try:
             self._setup(config, source)
@@ -114,12 +127,6 @@ class EngineCore:
         cc = config.cache
         if not cc.kv_tier_enabled:
             return None
-        if not cc.enable_prefix_caching:
-            raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) keeps prefix-cache blocks: "
-                               "it needs prefix caching (drop --no-enable-prefix-caching)")
-        if config.parallel.world_size > 1:
-            raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) runs with one rank for now; "
-                               "drop it or the tensor/pipeline parallelism")
         block_bytes = self.executor.kv_bytes_per_block()
         host_slots = (cc.kv_offload_memory or 0) // block_bytes
         disk_dir, disk_blocks = None, 0
@@ -148,6 +155,7 @@ class EngineCore:
         stats = dataclasses.asdict(self.scheduler.get_stats()) | {"num_blocks": self.num_blocks}
         if self.scheduler.kv_tier is not None:
             stats |= {f"kv_tier_{k}": v for k, v in dataclasses.asdict(self.scheduler.kv_tier.stats).items()}
+            stats["kv_tier_block_bytes"] = self.executor.kv_bytes_per_block()
         if self.speculative or self.proposer is not None:
             stats |= {f"spec_decode_{k}": v for k, v in dataclasses.asdict(self.spec_stats).items()}
         return stats

@@ -87,3 +87,26 @@ def test_spec_decode_counters_from_rivulet_or_vllm_metrics_and_their_summary():
     assert spec_decode_summary(None, None) is None
     s = summarize([], 1.0) | {"spec_decode": d}
     assert "Acceptance length (tokens per step):" in format_summary(s)
+
+
+def test_cache_counters_from_rivulet_or_vllm_metrics_and_their_summary():
+    from rivulet.bench.serve import cache_summary, parse_cache_counters
+
+    before = parse_cache_counters('rivulet:prefix_cache_queries_total{model_name="m"} 100.0\n'
+                                  'rivulet:prefix_cache_hits_total{model_name="m"} 40.0\n'
+                                  'rivulet:kv_tier_hits_total{model_name="m",tier="disk"} 3.0\n'
+                                  'rivulet:kv_tier_hits_total{model_name="m",tier="host"} 0.0\n'
+                                  'rivulet:kv_tier_misses_total{model_name="m"} 9.0\n')
+    assert before == {"queries": 100, "hits": 40, "tier_hits_disk": 3, "tier_hits_host": 0}
+    after = parse_cache_counters('rivulet:prefix_cache_queries_total{model_name="m"} 300.0\n'
+                                 'rivulet:prefix_cache_hits_total{model_name="m"} 190.0\n'
+                                 'rivulet:kv_tier_hits_total{model_name="m",tier="disk"} 8.0\n'
+                                 'rivulet:kv_tier_hits_total{model_name="m",tier="host"} 2.0\n')
+    d = cache_summary(before, after)
+    assert d == {"queries": 200, "hits": 150, "tier_hits_disk": 5, "tier_hits_host": 2, "hit_rate": 0.75}
+    vllm = parse_cache_counters('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 50.0\n'
+                                'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 5.0\n')
+    assert cache_summary(None, vllm) == {"queries": 50, "hits": 5, "hit_rate": 0.1}
+    assert parse_cache_counters("rivulet:num_preemptions_total 3.0\n") is None and cache_summary(None, None) is None
+    text = format_summary(summarize([], 1.0) | {"prefix_cache": d})
+    assert "Hit rate (%):" in text and "75.00" in text and "KV tier hits, disk (blocks):" in text

@@ -45,3 +45,25 @@ def test_defaults_agree_between_cli_and_dataclass() -> None:
 def test_unknown_llm_keyword_is_a_clear_error() -> None:
     with pytest.raises(RivuletError, match="unknown engine argument.*max_num_seq\\b"):
         EngineArgs.from_kwargs("default", {"max_num_seq": 4})
+
+
+def test_kv_tier_flags_and_their_errors(tiny_model_dir, tmp_path) -> None:
+    a = build_parser().parse_args(["serve", "--kv-offload-memory", "1048576", "--kv-tier-path", "/data/kv",
+                                   "--kv-tier-disk-bytes", "4096"])
+    cc = EngineArgs.from_cli_args(a).create_engine_config().cache
+    assert (cc.kv_offload_memory, cc.kv_tier_path, cc.kv_tier_disk_bytes) == (1048576, "/data/kv", 4096)
+    assert cc.kv_tier_enabled and not EngineArgs().create_engine_config().cache.kv_tier_enabled
+    with pytest.raises(RivuletError, match="^kv_offload_memory must be >= 0 bytes, got -1$"):
+        EngineArgs(kv_offload_memory=-1).create_engine_config()
+    with pytest.raises(RivuletError, match=r"^kv_tier_disk_bytes needs kv_tier_path \(the folder of the disk tier\)$"):
+        EngineArgs(kv_tier_disk_bytes=1 << 30).create_engine_config()
+    from rivulet import LLM
+
+    tiny = str(tiny_model_dir("llama")[0])
+    with pytest.raises(RivuletError, match=r"runs with one rank for now; drop it or the tensor/pipeline parallelism$"):
+        LLM(tiny, kv_tier_path=str(tmp_path), tensor_parallel_size=2)
+    with pytest.raises(RivuletError, match=r"it needs prefix caching \(drop --no-enable-prefix-caching\)$"):
+        LLM(tiny, kv_offload_memory=1 << 20, enable_prefix_caching=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RivuletError, match=r"^--kv-tier-path: cannot create .*/file/[0-9a-f]{16}-b16: Not a directory$"):
+        LLM(tiny, kv_tier_path=str(tmp_path / "file"))

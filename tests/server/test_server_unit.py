@@ -182,6 +182,20 @@ def test_request_tracker_arithmetic() -> None:
     assert value('rivulet:spec_decode_num_accepted_tokens_total{model_name="m"}') == 5
     assert [value(f'rivulet:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{j}"}}')
             for j in range(3)] == [4, 2, 1]
+    assert "kv_tier_loads_total{" not in text  # only an engine with a KV tier has its series
+    tier = {"kv_tier_host_hits": 3, "kv_tier_disk_hits": 5, "kv_tier_misses": 2, "kv_tier_saved_host": 10,
+            "kv_tier_saved_disk": 7, "kv_tier_loaded_host": 3, "kv_tier_loaded_disk": 4, "kv_tier_load_failures": 1,
+            "kv_tier_loads": 2, "kv_tier_load_seconds": 0.25, "kv_tier_block_bytes": 1000}
+    metrics.update_engine_stats(tier)
+    metrics.update_engine_stats(tier | {"kv_tier_loaded_disk": 6, "kv_tier_loads": 3})
+    text = metrics.render().decode()
+    assert value('rivulet:kv_tier_hits_total{model_name="m",tier="disk"}') == 5
+    assert value('rivulet:kv_tier_misses_total{model_name="m"}') == 2
+    assert value('rivulet:kv_tier_bytes_total{direction="load",model_name="m",tier="disk"}') == 6000
+    assert value('rivulet:kv_tier_bytes_total{direction="save",model_name="m",tier="host"}') == 10000
+    assert value('rivulet:kv_tier_loads_total{model_name="m"}') == 3
+    assert value('rivulet:kv_tier_load_seconds_total{model_name="m"}') == 0.25
+    assert value('rivulet:kv_tier_load_failures_total{model_name="m"}') == 1
 
 
 def test_drain_finishes_short_requests_and_cuts_long_ones_at_the_timeout(tokenizer: Any) -> None:

@@ -58,6 +58,16 @@ class ServerMetrics:
         self.spec_accepted_per_pos = counter("rivulet:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft (0: first).",
                                              ("position",))
+        self.tier_hits = counter("rivulet:kv_tier_hits", "KV tier: blocks found below the device pool.", ("tier",))
+        self.tier_misses = counter("rivulet:kv_tier_misses",
+                                   "KV tier: lookups below the device pool that ended before the prompt's last block.")
+        self.tier_bytes = counter("rivulet:kv_tier_bytes", "KV tier: bytes copied, by direction and tier.",
+                                  ("direction", "tier"))
+        self.tier_load_failures = counter("rivulet:kv_tier_load_failures",
+                                          "KV tier: blocks whose load failed (missing or bad file): computed instead.")
+        self.tier_loads = counter("rivulet:kv_tier_loads", "KV tier: loads completed (one per admission).")
+        self.tier_load_seconds = counter("rivulet:kv_tier_load_seconds",
+                                         "KV tier: total time from asking for a load to its report.")
         self.prompt_tokens = counter("rivulet:prompt_tokens", "Prompt tokens of requests served.")
         self.generation_tokens = counter("rivulet:generation_tokens", "Tokens generated.")
         self.request_success = counter("rivulet:request_success", "Finished choices by finish reason.",
@@ -98,6 +108,20 @@ class ServerMetrics:
             if grown > 0:
                 metric.labels(m).inc(grown)
             self._last_engine[key] = max(value, self._last_engine.get(key, 0.0))
+        if "kv_tier_loads" in stats:  # the engine has a KV tier
+            size = float(stats.get("kv_tier_block_bytes", 0))
+            self._advance([
+                ("kv_tier_host_hits", self.tier_hits.labels(m, "host"), stats["kv_tier_host_hits"]),
+                ("kv_tier_disk_hits", self.tier_hits.labels(m, "disk"), stats["kv_tier_disk_hits"]),
+                ("kv_tier_misses", self.tier_misses.labels(m), stats["kv_tier_misses"]),
+                ("kv_tier_saved_host", self.tier_bytes.labels(m, "save", "host"), stats["kv_tier_saved_host"] * size),
+                ("kv_tier_saved_disk", self.tier_bytes.labels(m, "save", "disk"), stats["kv_tier_saved_disk"] * size),
+                ("kv_tier_loaded_host", self.tier_bytes.labels(m, "load", "host"), stats["kv_tier_loaded_host"] * size),
+                ("kv_tier_loaded_disk", self.tier_bytes.labels(m, "load", "disk"), stats["kv_tier_loaded_disk"] * size),
+                ("kv_tier_load_failures", self.tier_load_failures.labels(m), stats["kv_tier_load_failures"]),
+                ("kv_tier_loads", self.tier_loads.labels(m), stats["kv_tier_loads"]),
+                ("kv_tier_load_seconds", self.tier_load_seconds.labels(m), stats["kv_tier_load_seconds"]),
+            ])
         if "spec_decode_num_drafts" in stats:  # the engine speculates
             series = [("spec_decode_num_drafts", self.spec_drafts.labels(m), stats["spec_decode_num_drafts"]),
                       ("spec_decode_num_draft_tokens", self.spec_draft_tokens.labels(m),
@@ -106,11 +130,15 @@ class ServerMetrics:
                        stats.get("spec_decode_num_accepted_tokens", 0))]
             series += [(f"spec_decode_accepted_pos_{j}", self.spec_accepted_per_pos.labels(m, str(j)), v)
                        for j, v in enumerate(stats.get("spec_decode_accepted_per_pos", []))]
-            for key, child, value in series:
-                grown = float(value) - self._last_engine.get(key, 0.0)
-                if grown > 0:
-                    child.inc(grown)
-                self._last_engine[key] = max(float(value), self._last_engine.get(key, 0.0))
+            self._advance(series)
+
+    def _advance(self, series: list[tuple[str, Any, float]]) -> None:
+        """Move each counter child up by what its cumulative engine value grew since the last snapshot."""
+        for key, child, value in series:
+            grown = float(value) - self._last_engine.get(key, 0.0)
+            if grown > 0:
+                child.inc(grown)
+            self._last_engine[key] = max(float(value), self._last_engine.get(key, 0.0))
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
