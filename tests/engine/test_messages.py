@@ -64,10 +64,13 @@ def test_worker_commands_round_trip() -> None:
         num_scheduled_tokens={"a": 3, "b": 1}, total_num_scheduled_tokens=4,
         new_requests=[NewRequestData("a", [1, 2, 3], 3, [7, 8], 0, _params())],
         cached_requests=[CachedRequestData("b", [9], 12)], finished_request_ids={"z"}, preempted_request_ids={"y"},
-        sampling_request_ids={"a", "b"}, scheduled_spec_tokens={"b": [5]})
-    for cmd in (c.Execute(out), c.SetEosTokenIds([2, 5]), c.AllocateKVCache(64), c.Gather("comm"), c.Shutdown()):
+        sampling_request_ids={"a", "b"}, scheduled_spec_tokens={"b": [5]},
+        kv_saves=[(7, 2, "ab" * 32, [1, 2])], kv_deletes=["cd" * 32], kv_loads={"c": [(9, -1, "ef" * 32, [3, 4])]})
+    for cmd in (c.Execute(out), c.SetEosTokenIds([2, 5]), c.AllocateKVCache(64), c.AllocateKVCache(8, 4, "/kv"),
+                c.Gather("comm"), c.Shutdown()):
         assert c.decode_command(c.encode(cmd)) == cmd
     got = c.decode_command(c.encode(c.Execute(out))).out
     assert isinstance(got.new_requests[0].sampling_params, SamplingParams) and got.finished_request_ids == {"z"}
-    result = ModelRunnerOutput({"a": [4]}, {"a": [TokenLogprobs(4, -0.1, 1, [4], [-0.1])]}, {"a": (0, [None])})
+    result = ModelRunnerOutput({"a": [4]}, {"a": [TokenLogprobs(4, -0.1, 1, [4], [-0.1])]}, {"a": (0, [None])},
+                               kv_loaded={"c": 1}, kv_dropped=["ef" * 32], kv_disk_error="disk full")
     assert c.decode_runner_output(c.encode(result)) == result
