@@ -9,6 +9,8 @@ random documents, time to first token per question; then a restart and the first
   rivulet-restart  a new server on the same DIR: the first question on each document (disk tier hits)
   rivulet-cold     a new server without a tier: the same 8 first questions (every document prefilled)
   vllm             vLLM's CPU server with its own KV cache (1 GiB: all 8 documents fit), for reference
+  vllm-small       vLLM with the same ~2-document pool (--num-gpu-blocks-override); its KV offloading
+                   (--kv-offloading-size) needs CUDA or XPU tensors, so it has no tier on CPU
 
     python benchmarks/kv_tier.py --out benchmarks/results/kv_tier [--systems rivulet,rivulet+tier,...]
 
@@ -62,7 +64,7 @@ def start(system: str, port: int, blocks: int, tier_dir: str, log: Path) -> subp
         cmd = base
     elif system in ("rivulet+tier", "rivulet-restart"):
         cmd = base + ["--kv-offload-memory", str(1 << 30), "--kv-tier-path", tier_dir]
-    elif system == "vllm":
+    elif system in ("vllm", "vllm-small"):
         hf = PEERS / "smollm2-135m-instruct-hf"
         if not hf.is_dir():
             subprocess.run([str(ROOT / ".venv/bin/python"), str(ROOT / "benchmarks/peers/make_hf_model.py"), str(hf)],
@@ -74,6 +76,8 @@ def start(system: str, port: int, blocks: int, tier_dir: str, log: Path) -> subp
                 "VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "LD_PRELOAD": f"{tc}:{iomp}"}
         cmd = [str(PEERS / "vllm/bin/vllm"), "serve", str(hf), "--served-model-name", "default", "--dtype",
                "bfloat16", "--port", str(port), "--max-model-len", "2048", "--no-enable-log-requests"]
+        if system == "vllm-small":
+            cmd += ["--num-gpu-blocks-override", str(blocks), "--block-size", "16"]
     else:
         raise SystemExit(f"unknown system {system!r}")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -121,7 +125,7 @@ def ask(client: httpx.Client, prompt: str, max_tokens: int) -> tuple[float, str]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/kv_tier")
-    ap.add_argument("--systems", default="rivulet,rivulet+tier,rivulet-restart,rivulet-cold,vllm")
+    ap.add_argument("--systems", default="rivulet,rivulet+tier,rivulet-restart,rivulet-cold,vllm,vllm-small")
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-words", type=int, default=1150, help="~1,500 tokens of the default model")
     ap.add_argument("--questions", type=int, default=64)
@@ -167,8 +171,11 @@ def main() -> None:
         summary["restart_over_cold_mean_ttft"] = s["rivulet-restart"]["mean_ttft_s"] / s["rivulet-cold"]["mean_ttft_s"]
         summary["restart_same_outputs"] = sum(
             x == y for x, y in zip(s["rivulet-restart"]["outputs"], s["rivulet-cold"]["outputs"]))
-    if "vllm" in s and "rivulet+tier" in s:
-        summary["tier_over_vllm_mean_ttft"] = s["rivulet+tier"]["mean_ttft_s"] / s["vllm"]["mean_ttft_s"]
+    for peer in ("vllm", "vllm-small"):
+        if peer in s and "rivulet+tier" in s:
+            summary[f"tier_over_{peer}_mean_ttft"] = s["rivulet+tier"]["mean_ttft_s"] / s[peer]["mean_ttft_s"]
+        if peer in s and "rivulet" in s:
+            summary[f"no_tier_over_{peer}_mean_ttft"] = s["rivulet"]["mean_ttft_s"] / s[peer]["mean_ttft_s"]
     results["summary"] = summary
     (out / "kv_tier.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(summary, indent=1))

@@ -90,7 +90,9 @@ class KVTierWorker:
                     try:
                         self._write(name, tokens, [c[:, j] for c in copies])
                         continue
-                    except OSError as e:
+                    except FileNotFoundError:  # its folder or temp file removed meanwhile: this block only
+                        pass
+                    except OSError as e:  # full, read-only, over a quota or a size limit: no disk tier
                         self.disk_error = f"writing {block_file(self._root, name)}: {e}"
                 with self._lock:
                     self._dropped.append(name)
