@@ -1,15 +1,16 @@
 """The KV tier's workload, side by side: documents that do not all fit in the device KV pool, questions on
 random documents, time to first token per question; then a restart and the first question on each document.
 
-8 documents of ~1,500 tokens, 64 questions each on a random document (seeded), asked one at a time (greedy,
-16 tokens, streamed) of each system in turn, one server at a time:
+8 documents of ~1,900 tokens (1,911 with the default model's tokenizer), 64 questions each on a random
+document (seeded), asked one at a time (greedy, 16 tokens, streamed) of each system in turn, one server at a
+time:
 
-  rivulet          `rivulet serve` with a device pool of ~2 documents (--num-kv-blocks), no tier
+  rivulet          `rivulet serve` with a device pool of 1.7 documents (200 blocks of 16), no tier
   rivulet+tier     the same pool, plus --kv-offload-memory 1 GiB and --kv-tier-path DIR
   rivulet-restart  a new server on the same DIR: the first question on each document (disk tier hits)
   rivulet-cold     a new server without a tier: the same 8 first questions (every document prefilled)
   vllm             vLLM's CPU server with its own KV cache (1 GiB: all 8 documents fit), for reference
-  vllm-small       vLLM with the same ~2-document pool (--num-gpu-blocks-override); its KV offloading
+  vllm-small       vLLM with the same ~2-document pool (--num-gpu-blocks-override, 32-token blocks); its KV offloading
                    (--kv-offloading-size) needs CUDA or XPU tensors, so it has no tier on CPU
 
     python benchmarks/kv_tier.py --out benchmarks/results/kv_tier [--systems rivulet,rivulet+tier,...]
@@ -76,8 +77,8 @@ def start(system: str, port: int, blocks: int, tier_dir: str, log: Path) -> subp
                 "VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "LD_PRELOAD": f"{tc}:{iomp}"}
         cmd = [str(PEERS / "vllm/bin/vllm"), "serve", str(hf), "--served-model-name", "default", "--dtype",
                "bfloat16", "--port", str(port), "--max-model-len", "2048", "--no-enable-log-requests"]
-        if system == "vllm-small":
-            cmd += ["--num-gpu-blocks-override", str(blocks), "--block-size", "16"]
+        if system == "vllm-small":  # its CPU attention wants blocks of a multiple of 32 tokens: the same tokens
+            cmd += ["--num-gpu-blocks-override", str(blocks // 2), "--block-size", "32"]
     else:
         raise SystemExit(f"unknown system {system!r}")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -127,9 +128,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kv_tier")
     ap.add_argument("--systems", default="rivulet,rivulet+tier,rivulet-restart,rivulet-cold,vllm,vllm-small")
     ap.add_argument("--docs", type=int, default=8)
-    ap.add_argument("--doc-words", type=int, default=1150, help="~1,500 tokens of the default model")
+    ap.add_argument("--doc-words", type=int, default=1150, help="words of a document (1150: 1,911 tokens)")
     ap.add_argument("--questions", type=int, default=64)
-    ap.add_argument("--device-blocks", type=int, default=200, help="the device pool: ~2 documents of 16-token blocks")
+    ap.add_argument("--device-blocks", type=int, default=200, help="the device pool in 16-token blocks")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8041)
@@ -143,7 +144,12 @@ def main() -> None:
     results: dict = {"config": vars(a), "systems": {}}
     try:
         for system in a.systems.split(","):
-            proc = start(system, a.port, a.device_blocks, tier_dir, out / f"{system}.log")
+            try:
+                proc = start(system, a.port, a.device_blocks, tier_dir, out / f"{system}.log")
+            except SystemExit as e:  # recorded; the other systems still run
+                print(e, flush=True)
+                results["systems"][system] = {"error": str(e)}
+                continue
             try:
                 with httpx.Client(base_url=f"http://127.0.0.1:{a.port}", timeout=600) as client:
                     n_tokens = client.post("/tokenize", json={"model": "default", "prompt": docs[0]}).json().get("count")
@@ -162,7 +168,7 @@ def main() -> None:
                   flush=True)
     finally:
         shutil.rmtree(tier_dir, ignore_errors=True)
-    s = results["systems"]
+    s = {k: v for k, v in results["systems"].items() if "error" not in v}
     summary: dict = {}
     if "rivulet" in s and "rivulet+tier" in s:
         summary["tier_over_no_tier_mean_ttft"] = s["rivulet+tier"]["mean_ttft_s"] / s["rivulet"]["mean_ttft_s"]

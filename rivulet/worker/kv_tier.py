@@ -138,12 +138,14 @@ class KVTierWorker:
             self._loads[rid] = self._io.submit(self._load, items)
 
     def _load(self, items: list[KVLoadItem]) -> int:
-        """Fill the device blocks in order; the number filled before the first that failed."""
+        """Fill the device blocks in order; the number filled before the first that failed. Blocks from host
+        slots are copied together (one scatter per layer), files one by one."""
+        from_host: list[tuple[int, int]] = []
         for n, (block, slot, name, tokens) in enumerate(items):
             if slot >= 0:
-                for c, h in zip(self.kv_caches, self.host):
-                    c[:, block].copy_(h[:, slot])
+                from_host.append((block, slot))
                 continue
+            self._copy_from_host(from_host)
             layers = self._read(name, tokens)
             if layers is None:
                 with self._lock:
@@ -151,7 +153,19 @@ class KVTierWorker:
                 return n
             for c, t in zip(self.kv_caches, layers):
                 c[:, block].copy_(t)
+        self._copy_from_host(from_host)
         return len(items)
+
+    def _copy_from_host(self, pairs: list[tuple[int, int]]) -> None:
+        """Host slots into device blocks, (block, slot) each; empties ``pairs``."""
+        if not pairs:
+            return
+        device = self.kv_caches[0].device
+        blocks = torch.tensor([b for b, _ in pairs], device=device)
+        slots = torch.tensor([s for _, s in pairs])
+        for c, h in zip(self.kv_caches, self.host):
+            c[:, blocks] = h[:, slots].to(device)
+        pairs.clear()
 
     def _read(self, name: str, tokens: list[int]) -> list[torch.Tensor] | None:
         """The block's layers from its file, or None (logged) when the file is missing, bad or foreign
