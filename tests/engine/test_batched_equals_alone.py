@@ -10,7 +10,7 @@ import pytest
 
 from rivulet import LLM, SamplingParams
 
-N = 36
+N = 24
 
 
 def _workload(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -37,7 +37,7 @@ def alone():
     dict(),
     dict(max_num_batched_tokens=8, max_num_seqs=64),  # prompts chunked 8 tokens at a time
     dict(enable_prefix_caching=False),
-    dict(num_kv_blocks=40, block_size=16, max_num_seqs=64),  # far too small for 36 requests: preemption
+    dict(num_kv_blocks=40, block_size=16, max_num_seqs=64),  # far too small for 24 requests: preemption
 ], ids=["default", "chunk8", "no-prefix-cache", "preempt"])
 def test_batched_equals_alone(alone, engine_kwargs):
     prompts, params, want = alone
