@@ -60,9 +60,10 @@ class CacheConfig:
         for name in ("kv_offload_memory", "kv_tier_disk_bytes"):
             v = getattr(self, name)
             if v is not None and v < 0:
-                raise RivuletError(f"{name} must be >= 0 bytes, got {v}")
+                raise RivuletError(f"{name} (--{name.replace('_', '-')}) must be >= 0 bytes, got {v}")
         if self.kv_tier_disk_bytes is not None and self.kv_tier_path is None:
-            raise RivuletError("kv_tier_disk_bytes needs kv_tier_path (the folder of the disk tier)")
+            raise RivuletError("kv_tier_disk_bytes (--kv-tier-disk-bytes) needs kv_tier_path (--kv-tier-path), "
+                               "the folder of the disk tier")
 
     @property
     def kv_tier_enabled(self) -> bool:

@@ -53,9 +53,10 @@ def test_kv_tier_flags_and_their_errors(tiny_model_dir, tmp_path) -> None:
     cc = EngineArgs.from_cli_args(a).create_engine_config().cache
     assert (cc.kv_offload_memory, cc.kv_tier_path, cc.kv_tier_disk_bytes) == (1048576, "/data/kv", 4096)
     assert cc.kv_tier_enabled and not EngineArgs().create_engine_config().cache.kv_tier_enabled
-    with pytest.raises(RivuletError, match="^kv_offload_memory must be >= 0 bytes, got -1$"):
+    with pytest.raises(RivuletError, match=r"^kv_offload_memory \(--kv-offload-memory\) must be >= 0 bytes, got -1$"):
         EngineArgs(kv_offload_memory=-1).create_engine_config()
-    with pytest.raises(RivuletError, match=r"^kv_tier_disk_bytes needs kv_tier_path \(the folder of the disk tier\)$"):
+    with pytest.raises(RivuletError, match=r"^kv_tier_disk_bytes \(--kv-tier-disk-bytes\) needs kv_tier_path "
+                                           r"\(--kv-tier-path\), the folder of the disk tier$"):
         EngineArgs(kv_tier_disk_bytes=1 << 30).create_engine_config()
     from rivulet import LLM
 
