@@ -344,3 +344,36 @@ def test_raw_stream_format(http: httpx.Client) -> None:
         events = sse_events(list(r.iter_lines()))
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 3
+
+
+def _stream(http: httpx.Client, path: str, body: dict) -> list:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [e for e in sse_events(list(r.iter_lines())) if e != "[DONE]"]
+
+
+def test_return_token_ids(http: httpx.Client) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's ids, streamed (per delta) or not; the
+    ids decode to the text, and prompt + ids resumes the generation exactly (what a router fails over with)."""
+    ids = tokenize(http, PROMPT)
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert full["prompt_token_ids"] == ids and len(full["token_ids"]) == 8
+    assert http.post("/detokenize", json={"tokens": full["token_ids"]}).json()["prompt"] == full["text"]
+    events = _stream(http, "/v1/completions", body)
+    assert events[0]["choices"][0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert sum((e["choices"][0]["token_ids"] for e in events), []) == full["token_ids"]
+    rest = http.post("/v1/completions", json={**body, "prompt": ids + full["token_ids"][:3], "max_tokens": 5}).json()
+    assert full["token_ids"][:3] + rest["choices"][0]["token_ids"] == full["token_ids"]
+    plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+
+    chat = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    reply = http.post("/v1/chat/completions", json=chat).json()
+    prompt_ids = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert reply["prompt_token_ids"] == prompt_ids and len(reply["choices"][0]["token_ids"]) == 6
+    events = _stream(http, "/v1/chat/completions", chat)
+    assert events[0]["prompt_token_ids"] == prompt_ids and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert sum((e["choices"][0]["token_ids"] for e in events), []) == reply["choices"][0]["token_ids"]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == reply["choices"][0]["message"]["content"]

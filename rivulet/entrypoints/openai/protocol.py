@@ -110,6 +110,7 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # only requests with the same salt share cached KV
+    return_token_ids: bool = False  # answer with the prompt's and the choices' token ids (a router resumes with them)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -243,6 +244,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -328,6 +331,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -338,6 +342,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 # -------------------------------------------------------------- tokenization

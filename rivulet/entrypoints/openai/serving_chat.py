@@ -120,7 +120,7 @@ class ChatHandler:
                       body.priority)
             if body.stream:
                 firsts = await until_disconnected(raw.receive, group.prime())
-                events = self._events(body, model, request_id, len(ids), group, firsts[0], plan)
+                events = self._events(body, model, request_id, ids, group, firsts[0], plan)
                 handed_over = True
                 return EventStreamResponse(events, on_close=group.aclose)
             finals = await until_disconnected(raw.receive, group.collect())
@@ -149,11 +149,13 @@ class ChatHandler:
             message = ChatResponseMessage(content=content, tool_calls=[t.as_dict() for t in calls] or None,
                                           **reasoning_fields(reasoning))
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
-                                      finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason))
+                                      finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason,
+                                      token_ids=list(c.token_ids) if body.return_token_ids else None))
         usage = Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageModel(**usage.as_dict()))
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageModel(**usage.as_dict()),
+                                      prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids else None)
 
-    async def _events(self, body: ChatCompletionRequest, model: str, request_id: str, num_prompt_tokens: int,
+    async def _events(self, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int],
                       group: RequestGroup, first: RequestOutput, plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
         states = [ChoiceState() for _ in range(body.n)]
@@ -163,11 +165,15 @@ class ChatHandler:
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
-                  stop_reason: int | str | None = None) -> str:
-            obj: dict[str, Any] = {
-                "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                             "stop_reason": stop_reason}]}
+                  stop_reason: int | str | None = None, token_ids: list[int] | None = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
+            obj: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "choices": [choice]}
+            if body.return_token_ids:  # vLLM's fields: the prompt's ids in the first chunk, then each delta's ids
+                choice["token_ids"] = token_ids or []
+                if "role" in delta and index == 0:
+                    obj["prompt_token_ids"] = prompt_ids
             if body.include_usage:
                 obj["usage"] = None
             return sse(obj)
@@ -190,11 +196,12 @@ class ChatHandler:
                     deltas, finish = tools[c.index].feed(new, d.finish_reason)
                 if thought:
                     deltas = [reasoning_fields(thought)] + deltas
+                ids = list(d.token_ids) if body.return_token_ids else None
                 for i, delta in enumerate(deltas or [{}]):
                     last_one = i == max(len(deltas), 1) - 1
-                    if delta or (logprobs and i == 0) or (finish and last_one):
+                    if delta or (logprobs and i == 0) or (finish and last_one) or (ids and i == 0):
                         events.append(chunk(c.index, delta, logprobs if i == 0 else None, finish if last_one else None,
-                                            d.stop_reason if last_one else None))
+                                            d.stop_reason if last_one else None, ids if i == 0 else None))
             return events
 
         last = first
@@ -208,7 +215,7 @@ class ChatHandler:
                 for event in chunks(out):
                     yield event
             if body.include_usage:
-                usage = Usage(num_prompt_tokens, sum(len(c.token_ids) for c in last.outputs), last.num_cached_tokens)
+                usage = Usage(len(prompt_ids), sum(len(c.token_ids) for c in last.outputs), last.num_cached_tokens)
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": [], "usage": usage.as_dict()})
             yield SSE_DONE

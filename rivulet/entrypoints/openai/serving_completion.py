@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -124,8 +124,11 @@ class CompletionHandler:
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, name).extend(getattr(gen, name))
         finish = "length" if echo_only else c.finish_reason
+        ids = body.return_token_ids
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                stop_reason=None if echo_only else c.stop_reason)
+                                stop_reason=None if echo_only else c.stop_reason,
+                                prompt_token_ids=item.token_ids if ids else None,
+                                token_ids=([] if echo_only else list(c.token_ids)) if ids else None)
 
     # ---- streaming ----
 
@@ -134,13 +137,19 @@ class CompletionHandler:
         created = int(time.time())
         states = {(p, i): ChoiceState() for p in range(len(items)) for i in range(body.n)}
         echoed: set[tuple[int, int]] = set()
+        started: set[tuple[int, int]] = set()  # choices whose first chunk was sent
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
         echo_only = self._echo_only(body)
 
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None, finish: str | None,
-                  stop_reason: int | str | None) -> str:
-            choice = {"index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs else None,
-                      "finish_reason": finish, "stop_reason": stop_reason}
+                  stop_reason: int | str | None, token_ids: list[int], prompt_ids: list[int] | None) -> str:
+            choice: dict[str, Any] = {"index": index, "text": text,
+                                      "logprobs": logprobs.model_dump() if logprobs else None,
+                                      "finish_reason": finish, "stop_reason": stop_reason}
+            if body.return_token_ids:  # vLLM's fields: the prompt's ids in a choice's first chunk, then each delta's
+                if prompt_ids is not None:
+                    choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = token_ids
             obj = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                    "choices": [choice]}
             if body.include_usage:
@@ -152,6 +161,7 @@ class CompletionHandler:
             for c in out.outputs:
                 key, state = (p, c.index), states[(p, c.index)]
                 text, logprobs = "", None
+                first = key not in started
                 if body.echo and key not in echoed:
                     echoed.add(key)
                     text = self._prompt_text(items[p])
@@ -174,8 +184,11 @@ class CompletionHandler:
                 if d is not None and d.finish_reason is not None:
                     finish = "length" if echo_only else d.finish_reason
                     stop_reason = None if echo_only else d.stop_reason
-                if text or finish or (logprobs and logprobs.tokens):
-                    events.append(chunk(p * body.n + c.index, text, logprobs, finish, stop_reason))
+                ids = [] if d is None or echo_only else list(d.token_ids)
+                if text or finish or (logprobs and logprobs.tokens) or (body.return_token_ids and (ids or first)):
+                    events.append(chunk(p * body.n + c.index, text, logprobs, finish, stop_reason, ids,
+                                        items[p].token_ids if first else None))
+                    started.add(key)
             return events
 
         last: dict[int, RequestOutput] = {}
