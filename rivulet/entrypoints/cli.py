@@ -75,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     _serve_args(s)
     from rivulet.bench.cli import add_bench_parser
+    from rivulet.router.cli import add_router_args
 
     add_bench_parser(sub)
+    add_router_args(sub.add_parser("router", help="route OpenAI requests over many servers (replicas)"))
     return parser
 
 
@@ -166,6 +168,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(a)
 
 
+def cmd_router(a: argparse.Namespace) -> int:
+    from rivulet.router.app import build_router, run_router
+
+    try:
+        router = build_router(a)
+    except ValueError as e:
+        raise RivuletError(str(e)) from None
+    return run_router(router, a)
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from rivulet.bench.cli import cmd_bench as run
 
@@ -182,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     log.handlers = [handler]
     log.setLevel(logging.INFO)
     try:
-        code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[a.command](a)
+        code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
+                "router": cmd_router}[a.command](a)
     except RivuletError as e:
         print(f"rivulet: error: {e}", file=sys.stderr)
         return 2
