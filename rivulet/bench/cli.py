@@ -30,6 +30,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-R), len*(1+R)]")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: shared tokens (default input-len/2)")
+    p.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct prefixes, request i takes prefix i %% N")
     p.add_argument("--prompt-format", default="text", choices=["text", "ids"],
                    help="send decoded text (default) or the token ids themselves")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per point")
@@ -180,7 +182,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
               else a.num_prompts for ld in loads]
     requests = make_requests(a.dataset, tok, max(counts), a.input_len, a.output_len, range_ratio=a.range_ratio,
                              prompt_format=a.prompt_format, prefix_len=a.prefix_len, dataset_path=a.dataset_path,
-                             seed=a.seed)
+                             seed=a.seed, num_prefixes=a.num_prefixes)
     eos = sorted({t for t in [tok.eos_token_id] if t is not None}) if a.eos_logit_bias else []
     cfg = ClientConfig(base_url=base_url, model=model, endpoint=a.endpoint, api_key=a.api_key,
                        temperature=a.temperature, ignore_eos=a.ignore_eos, eos_logit_bias=eos,

@@ -121,19 +121,27 @@ def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, r
 
 def shared_prefix_requests(tokenizer: Any, num: int, input_len: int, output_len: int, prefix_len: int | None = None,
                            range_ratio: float = 0.0, prompt_format: PromptFormat = "text",
-                           seed: int = 0) -> list[SampleRequest]:
-    """Prompts that share their first `prefix_len` tokens (default: half of input_len), then differ."""
+                           seed: int = 0, num_prefixes: int = 1) -> list[SampleRequest]:
+    """Prompts that start with one of `num_prefixes` prefixes of `prefix_len` tokens (default: half of
+    input_len), then differ. Request i takes prefix i % num_prefixes (sglang's generated-shared-prefix
+    groups: what a cache-aware router keeps apart)."""
     maker = PromptMaker(tokenizer, seed)
     plen = input_len // 2 if prefix_len is None else prefix_len
     if not 0 <= plen < input_len:
         raise RivuletError(f"--prefix-len must be in [0, --input-len): got {plen} for {input_len}")
-    prefix = maker.random_ids(plen)
-    if prompt_format == "text" and plen:
-        prefix = maker._encode(maker.text(plen + maker._n_special))  # a prefix that re-encodes to itself
+    if num_prefixes < 1:
+        raise RivuletError(f"--num-prefixes must be >= 1: got {num_prefixes}")
+    prefixes = []
+    for _ in range(num_prefixes):
+        prefix = maker.random_ids(plen)
+        if prompt_format == "text" and plen:
+            prefix = maker._encode(maker.text(plen + maker._n_special))  # a prefix that re-encodes to itself
+        prefixes.append(prefix)
     suffix_lens = _lengths(maker.rng, input_len - plen, range_ratio, num)
     outs = _lengths(maker.rng, output_len, range_ratio, num)
     reqs = []
-    for n_suf, n_out in zip(suffix_lens, outs):
+    for i, (n_suf, n_out) in enumerate(zip(suffix_lens, outs)):
+        prefix = prefixes[i % num_prefixes]
         n_in = plen + n_suf
         prompt: str | list[int] = prefix + maker.random_ids(n_suf) if prompt_format == "ids" else \
             maker.text(n_in, prefix)
@@ -208,7 +216,7 @@ def jsonl_requests(tokenizer: Any, path: str, num: int, output_len: int,
 
 def make_requests(dataset: str, tokenizer: Any, num: int, input_len: int, output_len: int, *,
                   range_ratio: float = 0.0, prompt_format: PromptFormat = "text", prefix_len: int | None = None,
-                  dataset_path: str | None = None, seed: int = 0) -> list[SampleRequest]:
+                  dataset_path: str | None = None, seed: int = 0, num_prefixes: int = 1) -> list[SampleRequest]:
     if num < 1 or input_len < 1 or output_len < 1:
         raise RivuletError("--num-prompts, --input-len and --output-len must be >= 1")
     if not 0 <= range_ratio < 1:
@@ -217,7 +225,7 @@ def make_requests(dataset: str, tokenizer: Any, num: int, input_len: int, output
         return random_requests(tokenizer, num, input_len, output_len, range_ratio, prompt_format, seed)
     if dataset == "shared-prefix":
         return shared_prefix_requests(tokenizer, num, input_len, output_len, prefix_len, range_ratio,
-                                      prompt_format, seed)
+                                      prompt_format, seed, num_prefixes)
     if dataset == "copy":
         if prompt_format != "text":
             raise RivuletError("--dataset copy builds text prompts (--prompt-format text)")

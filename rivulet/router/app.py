@@ -214,6 +214,16 @@ def run_router(router: RouterApp, a: argparse.Namespace) -> int:
     """Serve `router` until SIGTERM/SIGINT."""
     logger.info("routing over %d workers with %s on http://%s:%d", len(router.pool.workers), router.policy.name,
                 a.host, a.port)
-    uvicorn.run(router.app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
-                timeout_keep_alive=30)
+    server = _Server(uvicorn.Config(router.app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+                                    timeout_keep_alive=30, timeout_graceful_shutdown=10))
+    server.run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, exiting 0 after SIGTERM/SIGINT (the first lets open streams finish for up to
+    10 s, a second stops at once) instead of re-raising the signal."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.force_exit = self.should_exit
+        self.should_exit = True

@@ -174,3 +174,36 @@ def test_cache_aware_keeps_a_prefix_on_one_worker(workers: list[FakeWorker], cli
         assert 'reason="prefix"' in client.get(server.url + "/metrics").text
     finally:
         server.stop()
+
+
+def test_rivulet_router_command(workers: list[FakeWorker], client: httpx.Client) -> None:
+    import subprocess
+    import sys
+
+    from fake_worker import free_port
+
+    bad = subprocess.run([sys.executable, "-m", "rivulet.entrypoints.cli", "router", "--cache-threshold", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == \
+        "rivulet: error: --cache-threshold must be in [0, 1]"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rivulet.entrypoints.cli", "router", "--port", str(port),
+                             "--worker-urls", *[w.url for w in workers], "--policy", "power_of_two"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        events = stream(client, url + "/v1/completions", {"prompt": "cli", "max_tokens": 4})
+        assert "".join(c["choices"][0]["text"] for c in events[:-1]) == text_of(generate(prompt_ids({"prompt": "cli"}), 4))
+        assert client.get(url + "/v1/models").json()["data"][0]["id"] == "fake"
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+    assert "routing over 2 workers with power_of_two" in out
