@@ -31,7 +31,7 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-R), len*(1+R)]")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: shared tokens (default input-len/2)")
     p.add_argument("--num-prefixes", type=int, default=1,
-                   help="shared-prefix: distinct prefixes, request i takes prefix i %% N")
+                   help="shared-prefix: distinct prefixes, each request takes one at random (seeded)")
     p.add_argument("--prompt-format", default="text", choices=["text", "ids"],
                    help="send decoded text (default) or the token ids themselves")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per point")

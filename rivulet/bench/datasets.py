@@ -123,8 +123,8 @@ def shared_prefix_requests(tokenizer: Any, num: int, input_len: int, output_len:
                            range_ratio: float = 0.0, prompt_format: PromptFormat = "text",
                            seed: int = 0, num_prefixes: int = 1) -> list[SampleRequest]:
     """Prompts that start with one of `num_prefixes` prefixes of `prefix_len` tokens (default: half of
-    input_len), then differ. Request i takes prefix i % num_prefixes (sglang's generated-shared-prefix
-    groups: what a cache-aware router keeps apart)."""
+    input_len), then differ. Each request takes a prefix at random (seeded), so no round-robin order lines
+    up with the groups (sglang's generated-shared-prefix groups: what a cache-aware router keeps apart)."""
     maker = PromptMaker(tokenizer, seed)
     plen = input_len // 2 if prefix_len is None else prefix_len
     if not 0 <= plen < input_len:
@@ -139,9 +139,10 @@ def shared_prefix_requests(tokenizer: Any, num: int, input_len: int, output_len:
         prefixes.append(prefix)
     suffix_lens = _lengths(maker.rng, input_len - plen, range_ratio, num)
     outs = _lengths(maker.rng, output_len, range_ratio, num)
+    groups = maker.rng.integers(num_prefixes, size=num) if num_prefixes > 1 else [0] * num
     reqs = []
-    for i, (n_suf, n_out) in enumerate(zip(suffix_lens, outs)):
-        prefix = prefixes[i % num_prefixes]
+    for g, n_suf, n_out in zip(groups, suffix_lens, outs):
+        prefix = prefixes[int(g)]
         n_in = plen + n_suf
         prompt: str | list[int] = prefix + maker.random_ids(n_suf) if prompt_format == "ids" else \
             maker.text(n_in, prefix)

@@ -32,7 +32,8 @@ from rivulet.worker.outputs import ModelRunnerOutput
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, rank: int, world_size: int, init_method: str) -> None:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // world_size))  # the cores this process may run on (taskset, cgroups)
         self.rank = rank
         pc = config.parallel
         self.state = init_distributed(rank, world_size, init_method, current_platform().dist_backend,

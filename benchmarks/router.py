@@ -1,0 +1,178 @@
+"""The router's workloads, side by side, one system at a time.
+
+1. Prefix affinity: `rivulet bench serve --dataset shared-prefix --num-prefixes G` through `rivulet router`
+   over R `rivulet serve` replicas (each pinned to its own core), once per policy, on fresh replicas. Each
+   replica's KV pool holds about G/R prefixes plus room to run, so where the requests of a prefix go decides
+   whether it is cached. Reported per policy: the replicas' prefix-cache hit rate (their own counters), mean
+   TTFT, output throughput, errors.
+2. Overhead: one replica on all cores, `rivulet bench serve` (random prompts) at concurrency 64, straight to it
+   and through the router (one worker), alternating, twice each; the mean TTFT added by the router.
+
+    python benchmarks/router.py --out benchmarks/results/router [--policies round_robin,cache_aware] [--skip-overhead]
+
+writes OUT/router.json (and each bench run's JSON and each process's log next to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rivulet.bench.serve import cache_summary, parse_cache_counters  # noqa: E402
+
+RIVULET = str(ROOT / ".venv/bin/rivulet")
+
+
+def spawn(cmd: list[str], log: Path, url: str, cores: str | None = None) -> subprocess.Popen:
+    if cores is not None:
+        cmd = ["taskset", "-c", cores, *cmd]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[0]} exited; see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{' '.join(cmd)} did not become healthy; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def replica(i: int, port: int, blocks: int | None, max_len: int, out: Path, cores: str | None) -> subprocess.Popen:
+    cmd = [RIVULET, "serve", "--port", str(port), "--disable-uvicorn-access-log", "--max-model-len", str(max_len)]
+    if blocks is not None:
+        cmd += ["--num-kv-blocks", str(blocks)]
+    return spawn(cmd, out / f"replica{i}.log", f"http://127.0.0.1:{port}", cores)
+
+
+def bench(url: str, out_json: Path, args: list[str], log: Path) -> dict:
+    cmd = [RIVULET, "bench", "serve", "--base-url", url, "--model", "default", "--tokenizer", "default",
+           "--ignore-eos", "--disable-tqdm", "--result-json", str(out_json), *args]
+    with log.open("w") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+    return json.loads(out_json.read_text())
+
+
+def point(result: dict) -> dict:
+    p = result["points"][0] if "points" in result else result
+    return {k: p.get(k) for k in ("completed", "failed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                  "output_throughput", "mean_tpot_ms", "duration_s")}
+
+
+def cache_counters(urls: list[str]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for u in urls:
+        for k, v in (parse_cache_counters(httpx.get(u + "/metrics", timeout=10).text) or {}).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def affinity(a: argparse.Namespace, out: Path) -> dict:
+    cores = sorted(os.sched_getaffinity(0))
+    results = {}
+    for policy in a.policies.split(","):
+        urls = [f"http://127.0.0.1:{a.port + 1 + i}" for i in range(a.replicas)]
+        procs = []
+        try:
+            for i in range(a.replicas):
+                pin = str(cores[i % len(cores)]) if a.replicas <= len(cores) else None
+                procs.append(replica(i, a.port + 1 + i, a.kv_blocks, a.max_model_len, out / policy, pin))
+            router_url = f"http://127.0.0.1:{a.port}"
+            procs.append(spawn([RIVULET, "router", "--port", str(a.port), "--policy", policy, "--worker-urls", *urls],
+                               out / policy / "router.log", router_url))
+            before = cache_counters(urls)
+            res = bench(router_url, out / policy / "bench.json",
+                        ["--dataset", "shared-prefix", "--num-prefixes", str(a.prefixes), "--prefix-len",
+                         str(a.prefix_len), "--input-len", str(a.prefix_len + a.suffix_len), "--output-len",
+                         str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency",
+                         str(a.concurrency), "--num-warmups", "0", "--label", policy], out / policy / "bench.log")
+            cache = cache_summary(before, cache_counters(urls))
+            workers = httpx.get(router_url + "/workers", timeout=10).json()["workers"]
+        finally:
+            for p in reversed(procs):
+                stop(p)
+        results[policy] = {**point(res), "prefix_cache": cache, "served_per_replica": [w["served"] for w in workers]}
+        print(policy, json.dumps(results[policy]), flush=True)
+    return results
+
+
+def overhead(a: argparse.Namespace, out: Path) -> dict:
+    url = f"http://127.0.0.1:{a.port + 1}"
+    runs: dict[str, list[dict]] = {"direct": [], "router": []}
+    rep = replica(0, a.port + 1, None, 1024, out / "overhead", None)
+    router = spawn([RIVULET, "router", "--port", str(a.port), "--policy", "round_robin", "--worker-urls", url],
+                   out / "overhead" / "router.log", f"http://127.0.0.1:{a.port}")
+    try:
+        for rnd in range(2):
+            for name, target in (("direct", url), ("router", f"http://127.0.0.1:{a.port}")):
+                res = bench(target, out / "overhead" / f"{name}{rnd}.json",
+                            ["--dataset", "random", "--input-len", "128", "--output-len", "16", "--num-prompts", "128",
+                             "--max-concurrency", "64", "--label", name], out / "overhead" / f"{name}{rnd}.log")
+                runs[name].append(point(res))
+    finally:
+        stop(router)
+        stop(rep)
+    mean = {k: sum(r["mean_ttft_ms"] for r in v) / len(v) for k, v in runs.items()}
+    return {"runs": runs, "mean_ttft_ms": mean, "added_mean_ttft_ms": mean["router"] - mean["direct"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/router")
+    ap.add_argument("--policies", default="round_robin,cache_aware")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--prefixes", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--kv-blocks", type=int, default=224, help="each replica's KV pool, 16-token blocks")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--port", type=int, default=8060)
+    ap.add_argument("--skip-overhead", action="store_true")
+    a = ap.parse_args()
+    out = Path(a.out)
+    for sub in [*a.policies.split(","), "overhead"]:
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    results: dict = {"config": vars(a), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                                 capture_output=True, text=True).stdout.strip()}
+    results["affinity"] = affinity(a, out)
+    if not a.skip_overhead:
+        results["overhead"] = overhead(a, out)
+    aff = results["affinity"]
+    if "round_robin" in aff and "cache_aware" in aff:
+        rr, ca = aff["round_robin"], aff["cache_aware"]
+        results["summary"] = {
+            "hit_rate_ratio": (ca["prefix_cache"]["hit_rate"] / rr["prefix_cache"]["hit_rate"]
+                               if rr["prefix_cache"]["hit_rate"] else None),
+            "mean_ttft_ratio": ca["mean_ttft_ms"] / rr["mean_ttft_ms"],
+            "throughput_ratio": ca["output_throughput"] / rr["output_throughput"]}
+    (out / "router.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps(results.get("summary"), indent=1), json.dumps(results.get("overhead", {}).get("mean_ttft_ms")))
+
+
+if __name__ == "__main__":
+    main()
