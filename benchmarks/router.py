@@ -5,8 +5,10 @@
    replica's KV pool holds about G/R prefixes plus room to run, so where the requests of a prefix go decides
    whether it is cached. Reported per policy: the replicas' prefix-cache hit rate (their own counters), mean
    TTFT, output throughput, errors.
-2. Overhead: one replica on all cores, `rivulet bench serve` (random prompts) at concurrency 64, straight to it
-   and through the router (one worker), alternating, twice each; the mean TTFT added by the router.
+2. Overhead: a stand-in worker whose first token comes 100 ms after the request and the next every 20 ms (an
+   engine's own TTFT on 2 shared cores varies by seconds at concurrency 64, which would hide milliseconds),
+   `rivulet bench serve` at concurrency 64 straight to it and through the router, alternating, 3 rounds each;
+   the mean TTFT the router adds.
 
     python benchmarks/router.py --out benchmarks/results/router [--policies round_robin,cache_aware] [--skip-overhead]
 
@@ -118,22 +120,58 @@ def affinity(a: argparse.Namespace, out: Path) -> dict:
     return results
 
 
+def fake_worker(port: int) -> None:
+    """The stand-in worker of the overhead run (`--fake-worker PORT`): fixed delays, one word per token."""
+    import asyncio
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def generate(request):  # type: ignore[no-untyped-def]
+        body = await request.json()
+        n = int(body.get("max_tokens") or 16)
+
+        async def events():  # type: ignore[no-untyped-def]
+            for i in range(n):
+                await asyncio.sleep(0.1 if i == 0 else 0.02)
+                chunk = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "default",
+                         "choices": [{"index": 0, "text": " word", "token_ids": [i], "finish_reason":
+                                      "length" if i == n - 1 else None}]}
+                if i == 0:
+                    chunk["choices"][0]["prompt_token_ids"] = [1, 2, 3]
+                yield "data: " + json.dumps(chunk) + "\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def ok(request):  # type: ignore[no-untyped-def]
+        return Response(status_code=200)
+
+    async def models(request):  # type: ignore[no-untyped-def]
+        return JSONResponse({"object": "list", "data": [{"id": "default", "object": "model"}]})
+
+    app = Starlette(routes=[Route("/v1/completions", generate, methods=["POST"]), Route("/health", ok),
+                            Route("/metrics", ok), Route("/v1/models", models)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
 def overhead(a: argparse.Namespace, out: Path) -> dict:
     url = f"http://127.0.0.1:{a.port + 1}"
     runs: dict[str, list[dict]] = {"direct": [], "router": []}
-    rep = replica(0, a.port + 1, None, 1024, out / "overhead", None)
+    worker = spawn([sys.executable, __file__, "--fake-worker", str(a.port + 1)], out / "overhead" / "worker.log", url)
     router = spawn([RIVULET, "router", "--port", str(a.port), "--policy", "round_robin", "--worker-urls", url],
                    out / "overhead" / "router.log", f"http://127.0.0.1:{a.port}")
     try:
-        for rnd in range(2):
+        for rnd in range(3):
             for name, target in (("direct", url), ("router", f"http://127.0.0.1:{a.port}")):
                 res = bench(target, out / "overhead" / f"{name}{rnd}.json",
-                            ["--dataset", "random", "--input-len", "128", "--output-len", "16", "--num-prompts", "128",
+                            ["--dataset", "random", "--input-len", "128", "--output-len", "16", "--num-prompts", "256",
                              "--max-concurrency", "64", "--label", name], out / "overhead" / f"{name}{rnd}.log")
                 runs[name].append(point(res))
     finally:
         stop(router)
-        stop(rep)
+        stop(worker)
     mean = {k: sum(r["mean_ttft_ms"] for r in v) / len(v) for k, v in runs.items()}
     return {"runs": runs, "mean_ttft_ms": mean, "added_mean_ttft_ms": mean["router"] - mean["direct"]}
 
@@ -153,13 +191,17 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--port", type=int, default=8060)
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-affinity", action="store_true")
+    ap.add_argument("--fake-worker", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.fake_worker is not None:
+        return fake_worker(a.fake_worker)
     out = Path(a.out)
     for sub in [*a.policies.split(","), "overhead"]:
         (out / sub).mkdir(parents=True, exist_ok=True)
     results: dict = {"config": vars(a), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                                                  capture_output=True, text=True).stdout.strip()}
-    results["affinity"] = affinity(a, out)
+    results["affinity"] = {} if a.skip_affinity else affinity(a, out)
     if not a.skip_overhead:
         results["overhead"] = overhead(a, out)
     aff = results["affinity"]

@@ -23,10 +23,14 @@ Support of the filters (exact, ties at the boundary are kept):
   token), plus any token whose probability equals that of the prefix's last
   token.  top-p works on the distribution renormalised after min-p and top-k.
 
-A seeded row draws its randomness only from its own ``torch.Generator``, with a
-draw whose size is the vocabulary, so its tokens do not depend on which other
-rows share the batch or where it sits.  Unseeded rows draw from torch's default
-generator for the device.
+A seeded row draws its randomness only from its own ``torch.Generator``, so its
+tokens do not depend on which other rows share the batch or where it sits.  The
+engine reseeds that generator before each draw from the request's seed and the
+position of the token being sampled (``SamplingMetadata.seeds``, `position_seed`),
+so a seeded token depends only on (seed, position, distribution): the same with or
+without speculative drafts, after a preemption, and when a stream is resumed
+elsewhere as a completion of prompt + the tokens already sent.  Unseeded rows draw
+from torch's default generator for the device.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None  # int64[m]: (row, token) pairs to set to -inf
     min_tokens_tokens: torch.Tensor | None  # int64[m]
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded random rows
+    seeds: dict[int, int] = field(default_factory=dict)  # row -> seed its generator takes before the draw
     max_num_logprobs: int | None = None  # top-N to return; None: no logprobs at all
 
     @property
@@ -340,13 +345,23 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for the token at `position` of a request seeded with `seed` (splitmix64)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1  # 63 bits: what every torch.Generator accepts
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                  seeds: dict[int, int] | None = None) -> torch.Tensor:
     """A draw from each row of ``probs`` by inverse CDF: the first token whose cumulative probability
     reaches ``(1 - U) * total`` with one ``U ~ Uniform[0, 1)`` per row.
 
     One random number per row instead of one per vocabulary entry (an exponential race over a
     49k vocabulary drew 3M numbers per 64-row step, serially: most of the sampler's time on CPU).
-    Seeded rows draw their ``U`` from their own generator, the rest from the default one. ``1 - U``
+    Seeded rows draw their ``U`` from their own generator (first reseeded with ``seeds[row]`` when
+    given), the rest from the default one. ``1 - U``
     is in (0, 1], so the target is above 0 and at most the total: a token of probability 0 (a
     flat step of the cumulative sum) can never be chosen, and the index stays in the vocabulary.
     """
@@ -354,6 +369,8 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     if len(generators) < probs.shape[0]:
         u.uniform_()
     for row, generator in generators.items():
+        if seeds and row in seeds:
+            generator.manual_seed(seeds[row])
         u[row].uniform_(generator=generator)
     cdf = probs.cumsum(dim=-1)
     target = (1.0 - u) * cdf[:, -1:]
@@ -377,7 +394,7 @@ class Sampler(nn.Module):
             sampled = greedy_ids
         else:
             probs = self.filtered_logits(logits, metadata).softmax(dim=-1)
-            sampled = random_sample(probs, metadata.generators)
+            sampled = random_sample(probs, metadata.generators, metadata.seeds)
             if greedy_ids is not None:
                 assert metadata.greedy_mask is not None
                 sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)

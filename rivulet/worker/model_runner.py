@@ -243,7 +243,8 @@ class ModelRunner:
         counts = step.num_logits[idx]
         rows = np.repeat(step.rows[idx], counts)
         offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # j within a request
-        meta = batch.sampling.metadata(rows, batch.num_tokens[rows] - batch.num_prompt[rows] + offsets)
+        positions = batch.num_tokens[rows] + offsets  # where each sampled token lands
+        meta = batch.sampling.metadata(rows, positions - batch.num_prompt[rows], positions)
         if step.drafts and meta.output_token_counts is not None:
             self._count_drafts(step, idx, counts, rows, meta.output_token_counts)
         sampled = self.sampler(logits, meta)

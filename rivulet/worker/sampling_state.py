@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rivulet.layers.sampler import SamplingMetadata, _check_token_id
+from rivulet.layers.sampler import SamplingMetadata, _check_token_id, position_seed
 from rivulet.sampling_params import SamplingParams
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
@@ -103,9 +103,11 @@ class SamplingState:
             self.output_counts.index_put_((r, token_ids[torch.from_numpy(pen).to(token_ids.device)]),
                                           torch.ones(len(r), device=self.device), accumulate=True)
 
-    def metadata(self, rows: np.ndarray, num_outputs: np.ndarray) -> SamplingMetadata:
+    def metadata(self, rows: np.ndarray, num_outputs: np.ndarray,
+                 positions: np.ndarray | None = None) -> SamplingMetadata:
         """The SamplingMetadata of the step's sampling `rows` (in order); `num_outputs[i]`: tokens row i has
-        sampled so far."""
+        sampled so far; `positions[i]`: where its token lands in the sequence (seeded rows draw with
+        `position_seed(seed, position)`; None: their generators go on from where they are)."""
         dev, v = self.device, self.vocab_size
 
         def f(name: str) -> torch.Tensor:
@@ -159,7 +161,10 @@ class SamplingState:
             logit_bias_rows=longs(bias_rows), logit_bias_tokens=longs(bias_tokens),
             logit_bias_values=torch.tensor(bias_values, dtype=torch.float32, device=dev) if bias_rows else None,
             min_tokens_rows=longs(min_rows), min_tokens_tokens=longs(min_toks),
-            generators={i: g for i, r in enumerate(rows.tolist())
-                        if (g := self.generators[r]) is not None and not self.greedy[r]},
+            generators=(gens := {i: g for i, r in enumerate(rows.tolist())
+                                 if (g := self.generators[r]) is not None and not self.greedy[r]}),
+            seeds={} if positions is None else {
+                i: position_seed(self.params[int(rows[i])].seed, int(positions[i]))  # type: ignore[union-attr,arg-type]
+                for i in gens},
             max_num_logprobs=int(asked.max()) if len(asked) else None,
         )

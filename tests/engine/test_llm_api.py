@@ -180,3 +180,16 @@ def test_chat_uses_the_template(llm):
     same = llm.generate({"prompt_token_ids": out.prompt_token_ids}, SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)[0]  # chat is generate on the rendered prompt, nothing more
     assert out.outputs[0].text == same.outputs[0].text
+
+
+def test_seeded_tokens_depend_on_seed_and_position_only(llm):
+    """A seeded request resumed as prompt + its first k tokens (what the router does when a worker dies) goes on
+    with the same tokens: each draw is seeded by (seed, position), not by how many draws came before."""
+    sp = dict(temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)
+    full = _text(llm, **sp).token_ids
+    ids = llm.engine.tokenizer(PROMPT).input_ids
+    for k in (1, 5):
+        rest = llm.generate({"prompt_token_ids": ids + full[:k]}, SamplingParams(**{**sp, "max_tokens": 12 - k}),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        assert full[:k] + rest == full
+    assert _text(llm, **{**sp, "seed": 78}).token_ids != full
