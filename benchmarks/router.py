@@ -120,7 +120,7 @@ def affinity(a: argparse.Namespace, out: Path) -> dict:
     return results
 
 
-def fake_worker(port: int) -> None:
+def fake_worker(port: int, tpot_s: float) -> None:
     """The stand-in worker of the overhead run (`--fake-worker PORT`): fixed delays, one word per token."""
     import asyncio
 
@@ -135,7 +135,7 @@ def fake_worker(port: int) -> None:
 
         async def events():  # type: ignore[no-untyped-def]
             for i in range(n):
-                await asyncio.sleep(0.1 if i == 0 else 0.02)
+                await asyncio.sleep(0.1 if i == 0 else tpot_s)
                 chunk = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "default",
                          "choices": [{"index": 0, "text": " word", "token_ids": [i], "finish_reason":
                                       "length" if i == n - 1 else None}]}
@@ -159,7 +159,8 @@ def fake_worker(port: int) -> None:
 def overhead(a: argparse.Namespace, out: Path) -> dict:
     url = f"http://127.0.0.1:{a.port + 1}"
     runs: dict[str, list[dict]] = {"direct": [], "router": []}
-    worker = spawn([sys.executable, __file__, "--fake-worker", str(a.port + 1)], out / "overhead" / "worker.log", url)
+    worker = spawn([sys.executable, __file__, "--fake-worker", str(a.port + 1), "--fake-tpot-ms", str(a.fake_tpot_ms)],
+                   out / "overhead" / "worker.log", url)
     router = spawn([RIVULET, "router", "--port", str(a.port), "--policy", "round_robin", "--worker-urls", url],
                    out / "overhead" / "router.log", f"http://127.0.0.1:{a.port}")
     try:
@@ -193,9 +194,11 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-affinity", action="store_true")
     ap.add_argument("--fake-worker", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--fake-tpot-ms", type=float, default=100.0,
+                    help="overhead run: the stand-in worker's time per output token")
     a = ap.parse_args()
     if a.fake_worker is not None:
-        return fake_worker(a.fake_worker)
+        return fake_worker(a.fake_worker, a.fake_tpot_ms / 1000)
     out = Path(a.out)
     for sub in [*a.policies.split(","), "overhead"]:
         (out / sub).mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+import aiohttp
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -143,8 +144,9 @@ class RouterApp:
         headers = forwarded_headers(request.headers)
         for w in self.pool.available():
             with contextlib.suppress(Exception):
-                r = await self.router.client.get(w.url + "/v1/models", headers=headers, timeout=10)
-                return Response(r.content, r.status_code, media_type="application/json")
+                async with self.router.client.get(w.url + "/v1/models", headers=headers,
+                                                  timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    return Response(await r.read(), r.status, media_type="application/json")
         return error(503, "no worker is available", "no_worker")
 
     async def health(self, request: Request) -> Response:

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 logger = logging.getLogger("rivulet.router")
 
@@ -70,7 +70,7 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         for url in urls:
             self.add(url)
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
     @staticmethod
@@ -131,7 +131,7 @@ class WorkerPool:
     # ---- probes ----
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.health.timeout)
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.health.timeout))
         self._task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
@@ -139,7 +139,7 @@ class WorkerPool:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
 
     async def _probe_loop(self) -> None:
         while True:
@@ -151,12 +151,13 @@ class WorkerPool:
         assert self._client is not None
         cfg = self.health
         try:
-            ok = (await self._client.get(w.url + cfg.endpoint)).status_code == 200
+            async with self._client.get(w.url + cfg.endpoint) as r:
+                ok = r.status == 200
             if ok:
-                r = await self._client.get(w.url + "/metrics")
-                if r.status_code == 200:
-                    w.engine_queue = sum(float(v) for v in _QUEUE.findall(r.text))
-        except httpx.HTTPError:
+                async with self._client.get(w.url + "/metrics") as r:
+                    if r.status == 200:
+                        w.engine_queue = sum(float(v) for v in _QUEUE.findall(await r.text()))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             ok = False
         if ok:
             w.probe_fails, w.probe_oks = 0, w.probe_oks + 1
