@@ -43,6 +43,7 @@ class AsyncLLM:
         self._stats_waiters: list[asyncio.Future[dict]] = []
         self._dead: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self.last_message_at = time.monotonic()  # the engine's last message (a step's outputs or its heartbeat)
 
     @classmethod
     async def start(cls, config: EngineConfig, startup_timeout: float = 600.0) -> AsyncLLM:
@@ -83,6 +84,7 @@ class AsyncLLM:
         info.eos_token_ids |= eos_token_ids(self._source, [], self.tokenizer)
         self.model_info: ModelInfo = info
         self.processor = RequestProcessor(self.tokenizer, info)
+        self.last_message_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_process())]
         return self
 
@@ -164,6 +166,7 @@ class AsyncLLM:
     async def _output_loop(self) -> None:
         while True:
             msg = from_core_decoder.decode(await self._from_core.recv())
+            self.last_message_at = time.monotonic()
             if isinstance(msg, Outputs):
                 outputs, stopped = self.processor.process(msg.outputs)
                 if stopped:
@@ -184,7 +187,15 @@ class AsyncLLM:
             await asyncio.sleep(0.1)
         self._fail(f"the engine process exited unexpectedly (exit code {self._proc.returncode})")
 
+    def kill(self, reason: str) -> None:
+        """End a stuck engine process now (SIGKILL: it works on a stopped process too); streams fail with `reason`."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
+        if self._dead is not None:
+            return
         self._dead = reason
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError(reason))

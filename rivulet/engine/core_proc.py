@@ -4,6 +4,8 @@ It blocks on its input socket while idle and drains it between steps while busy,
 arriving during a step join the next one. It exits when told to, when its parent dies (checked
 every step and every 0.5 s while idle; a send to a front end that is gone gives up after 1 s), and,
 with an error, when a worker rank has died (checked before every step and every 0.5 s while idle).
+While it has work it sends a message at least every second (a step's outputs, or an empty one), so the
+front end's watchdog can tell a slow engine from a stuck one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 
 import zmq
@@ -25,6 +28,7 @@ from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Output
 from rivulet.models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0  # the longest silence while there is work
 
 
 class _Orphaned(Exception):
@@ -71,6 +75,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         return
     try:
         send(Ready(core.model_info()))
+        last_sent = time.monotonic()
         while True:
             timeout = 0 if core.has_unfinished_requests() else 500
             while inbox.poll(timeout):
@@ -95,8 +100,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
                 raise _Orphaned
             if core.has_unfinished_requests():
                 outs = core.step()
-                if outs:
+                if outs or time.monotonic() - last_sent > HEARTBEAT_S:  # steps without outputs still show progress
                     send(Outputs(outs))
+                    last_sent = time.monotonic()
             else:
                 core.check_health()  # a dead worker rank ends the engine now, not at the next request
     except _Orphaned:

@@ -51,6 +51,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the tool-call format of the model: hermes (Qwen2.5/3, Hermes), llama3_json, mistral")
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="put a reasoning model's <think>...</think> in message.reasoning_content")
+    p.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="restart a dead engine up to this many times per 10 minutes, then exit 1")
+    p.add_argument("--engine-watchdog-s", type=float, default=300.0,
+                   help="kill and restart an engine that has work but sent nothing for this long")
+    p.add_argument("--max-request-bytes", type=int, default=32 << 20,
+                   help="answer 413 to request bodies larger than this (default 32 MiB)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
 

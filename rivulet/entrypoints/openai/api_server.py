@@ -2,7 +2,8 @@
 ``serve`` (wait for the engine `launch.run_server` spawned, serve, drain on SIGTERM).
 
 Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize``, ``/health``, ``/version``, ``/metrics``. With ``--api-key`` every endpoint but
+``/detokenize``, ``/health`` (``?generate=1``: a one-token generation), ``/health_generate``, ``/version``,
+``/metrics``. With ``--api-key`` every endpoint but
 ``/health``, ``/version``, ``/metrics`` and the OpenAPI docs needs ``Authorization: Bearer KEY``.
 
 Overload: with ``--max-queue Q`` a generation request is answered 503 (``Retry-After``) without
@@ -22,6 +23,7 @@ import hmac
 import logging
 import socket
 import time
+import uuid
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -29,7 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import rivulet
 from rivulet.config import RivuletError
@@ -43,9 +45,10 @@ from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler
 from rivulet.entrypoints.openai.serving_tokenization import TokenizationHandler
+from rivulet.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from rivulet.engine.async_llm import AsyncLLM
+    from rivulet.entrypoints.openai.supervisor import SupervisedEngine
 
 logger = logging.getLogger("rivulet.server")
 
@@ -53,11 +56,13 @@ logger = logging.getLogger("rivulet.server")
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
                         "/redoc"})
 STATS_TIMEOUT_S = 2.0
+HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 class Gate:
-    """ASGI middleware in front of every route: 503 while draining, 401 without the API key, and the
-    count of HTTP requests in flight (a streamed answer counts until its last byte)."""
+    """ASGI middleware in front of every route: 503 while draining, 401 without the API key, 413 for a
+    body over ``--max-request-bytes`` (by its Content-Length, or counted as it arrives), and the count
+    of HTTP requests in flight (a streamed answer counts until its last byte)."""
 
     def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
         self.app = app
@@ -87,11 +92,48 @@ class Gate:
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await error_response(err)(scope, receive, send)
             return
+        limit = ctx.settings.max_request_bytes
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        too_large = length is not None and (not length.isdigit() or int(length) > limit)
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            replay = await _read_limited(receive, limit)  # a chunked body: counted as it arrives
+            too_large = replay is None
+            receive = replay or receive
+        if too_large:
+            ctx.metrics.reject("too_large")
+            err = OpenAIError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
+                              code="request_too_large", headers={"Connection": "close"})
+            await error_response(err)(scope, receive, send)
+            return
         ctx.inflight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             ctx.inflight -= 1
+
+
+async def _read_limited(receive: Receive, limit: int) -> Receive | None:
+    """A body without Content-Length, read up to `limit` bytes: a `receive` that replays it, or None when it
+    is larger (or the client left)."""
+    parts, seen, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        parts.append(message.get("body", b""))
+        seen += len(parts[-1])
+        if seen > limit:
+            return None
+        more = message.get("more_body", False)
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+        return await receive()
+    return replay
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -103,11 +145,41 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_middleware(Gate, ctx=ctx)
     completions, chat, tokens = CompletionHandler(ctx), ChatHandler(ctx), TokenizationHandler(ctx)
 
-    @app.get("/health", responses={503: {"description": "the engine process died"}})
-    async def health() -> Response:
-        """200 while the engine runs, 503 once it died."""
+    @app.get("/health", responses={503: {"description": "the engine is not running (or, with generate=1, stuck)"}})
+    async def health(generate: bool = False) -> Response:
+        """200 while the engine runs, 503 while it is down or restarting; with ``generate=1`` (or at
+        ``/health_generate``) 200 only once the engine has generated one token."""
+        if getattr(engine, "restarting", False):
+            return error_response(OpenAIError(503, "the engine is restarting", code="engine_restarting"))
         if not engine.is_healthy:
             return error_response(OpenAIError(503, "the engine process is not running", code="engine_dead"))
+        if generate:
+            return await _generate_one_token()
+        return Response(status_code=200)
+
+    @app.get("/health_generate", responses={503: {"description": "the engine did not generate a token in time"}})
+    async def health_generate() -> Response:
+        return await health(generate=True)
+
+    async def _generate_one_token() -> Response:
+        tok = engine.tokenizer
+        first = getattr(tok, "bos_token_id", None) if tok is not None else None
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        stream = engine.generate({"prompt_token_ids": [first if first is not None else 0]}, params,
+                                 f"health-{uuid.uuid4().hex}")
+
+        async def drain() -> None:
+            async for _ in stream:
+                pass
+        try:
+            await asyncio.wait_for(drain(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(OpenAIError(503, f"the engine generated nothing in {HEALTH_GENERATE_TIMEOUT_S:.0f} s",
+                                              code="engine_stuck"))
+        except Exception as e:
+            return error_response(OpenAIError(503, f"the engine could not generate: {e}", code="engine_dead"))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
         return Response(status_code=200)
 
     @app.get("/version")
@@ -195,17 +267,19 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
+async def serve(engine: SupervisedEngine, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
     """Build the app for a spawned engine, wait for the engine, serve on `sock` until a signal has
-    drained the requests (`launch.run_server` spawns the engine and shuts it down afterwards)."""
+    drained the requests (`launch.run_server` spawns the engine and shuts it down afterwards).
+    Returns 1 when the engine could not be kept running (see `supervisor.py`), else 0."""
     app = build_app(engine, settings)
     uv_config = uvicorn.Config(app, log_level=a.uvicorn_log_level, access_log=not a.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=2, timeout_keep_alive=5)
     await engine.ready()
     server = DrainingServer(uv_config, app.state.ctx, asyncio.get_running_loop())
+    engine.on_fatal = lambda reason: setattr(server, "should_exit", True)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1); the engine started in %.1f s",
                 ", ".join(settings.served_model_names), host, port, time.monotonic() - engine.spawned_at)
     await server.serve(sockets=[sock])
     logger.info("stopped")
-    return 0
+    return 1 if engine.fatal else 0

@@ -40,6 +40,9 @@ class ServerSettings:
     chat_template: str | None = None  # --chat-template: used in place of the model's
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" parses with it
     reasoning_parser: str | None = None  # --reasoning-parser: <think>...</think> goes to reasoning_content
+    max_engine_restarts: int = 3  # within 10 minutes; one more ends the server with exit code 1
+    engine_watchdog_s: float | None = 300.0  # kill an engine silent this long with work to do; None: no watchdog
+    max_request_bytes: int = 32 << 20  # larger bodies get 413
 
     @property
     def admission_limit(self) -> int | None:
@@ -58,6 +61,12 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise RivuletError("--max-queue must be >= 0")
     if a.drain_timeout < 0:
         raise RivuletError("--drain-timeout must be >= 0")
+    if a.max_engine_restarts < 0:
+        raise RivuletError("--max-engine-restarts must be >= 0")
+    if a.engine_watchdog_s is not None and a.engine_watchdog_s <= 0:
+        raise RivuletError("--engine-watchdog-s must be > 0 (leave it out for the default, 300)")
+    if a.max_request_bytes < 1:
+        raise RivuletError("--max-request-bytes must be >= 1")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise RivuletError("--enable-auto-tool-choice needs --tool-call-parser "
                            f"({', '.join(TOOL_CALL_PARSERS)})")
@@ -72,7 +81,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
                           api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
                           drain_timeout=a.drain_timeout, chat_template=template,
                           tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
-                          reasoning_parser=a.reasoning_parser)
+                          reasoning_parser=a.reasoning_parser, max_engine_restarts=a.max_engine_restarts,
+                          engine_watchdog_s=a.engine_watchdog_s, max_request_bytes=a.max_request_bytes)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -101,10 +111,10 @@ def run_server(a: argparse.Namespace) -> int:
 
 async def _start_and_serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket,
                            a: argparse.Namespace) -> int:
-    from rivulet.engine.async_llm import AsyncLLM
+    from rivulet.entrypoints.openai.supervisor import SupervisedEngine
 
     logger.info("starting the engine for %s", config.model.model)
-    engine = AsyncLLM.spawn(config)
+    engine = SupervisedEngine(config, settings.max_engine_restarts, watchdog_s=settings.engine_watchdog_s)
     try:
         from rivulet.entrypoints.openai.api_server import serve  # FastAPI: imported while the model loads
 

@@ -33,6 +33,7 @@ from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
 T = TypeVar("T")
+OFF_LOOP_CHARS = 1 << 15  # prompts longer than this are tokenized in a thread
 
 
 class ServerContext:
@@ -86,6 +87,14 @@ class ServerContext:
             raise
         except Exception as e:  # a tokenizer failing on odd input is the input's fault
             raise OpenAIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    async def tokenize_off_loop(self, prompt: str | list[int],
+                                add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """`tokenize`, in a thread when the prompt is long, so one large prompt does not stall every
+        other stream on the event loop (the Rust tokenizer releases the GIL)."""
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(self.tokenize, prompt, add_special_tokens)
+        return self.tokenize(prompt, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids ("" without a tokenizer)."""

@@ -4,6 +4,7 @@ tools), then one engine request with ``n`` samples, streamed or not; tool calls 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -20,9 +21,9 @@ from rivulet.entrypoints.openai.logprobs import chat_logprobs, token_text_fn
 from rivulet.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                  ChatMessage, ChatResponseMessage)
 from rivulet.entrypoints.openai.protocol import Usage as UsageModel
-from rivulet.entrypoints.openai.serving_base import (SSE_DONE, ChoiceState, ClientDisconnected, EventStreamResponse,
-                                                     RequestGroup, ServerContext, Usage, sse, stream_error_event,
-                                                     until_disconnected)
+from rivulet.entrypoints.openai.serving_base import (OFF_LOOP_CHARS, SSE_DONE, ChoiceState, ClientDisconnected,
+                                                     EventStreamResponse, RequestGroup, ServerContext, Usage, sse,
+                                                     stream_error_event, until_disconnected)
 from rivulet.entrypoints.openai.reasoning import END, ReasoningStream, reasoning_fields, split_reasoning
 from rivulet.entrypoints.openai.tools import ToolCall, ToolPlan, plan_tools, streamable_prefix
 
@@ -101,9 +102,11 @@ class ChatHandler:
         group = ctx.open_group(1)
         handed_over = False
         try:
-            text, ids = render_chat(ctx.engine.tokenizer, body.messages, body.add_generation_prompt,
-                                    body.continue_final_message, body.chat_template_kwargs, plan.render,
-                                    settings.chat_template)
+            args = (ctx.engine.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                    body.chat_template_kwargs, plan.render, settings.chat_template)
+            size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
+            # a long conversation is rendered and tokenized in a thread: the event loop keeps serving the others
+            text, ids = await asyncio.to_thread(render_chat, *args) if size > OFF_LOOP_CHARS else render_chat(*args)
             params = body.to_sampling_params(ctx.default_max_tokens(len(ids)))
             if plan.structured is not None:
                 if params.structured_outputs is not None:
