@@ -1,16 +1,18 @@
 """The router's workloads, side by side, one system at a time.
 
-1. Prefix affinity: `rivulet bench serve --dataset shared-prefix --num-prefixes G` through `rivulet router`
-   over R `rivulet serve` replicas (each pinned to its own core), once per policy, on fresh replicas. Each
+1. Prefix affinity: `rivulet bench serve --dataset shared-prefix --num-prefixes G` through a router over R
+   `rivulet serve` replicas (each pinned to its own core when there are enough; otherwise unpinned), once per
+   router and policy, on fresh replicas. The
+   routers: `rivulet router` and the peer, sglang-router (benchmarks/peers/setup_sglang_router.sh). Each
    replica's KV pool holds about G/R prefixes plus room to run, so where the requests of a prefix go decides
    whether it is cached. Reported per policy: the replicas' prefix-cache hit rate (their own counters), mean
    TTFT, output throughput, errors.
 2. Overhead: a stand-in worker whose first token comes 100 ms after the request and the next every 20 ms (an
    engine's own TTFT on 2 shared cores varies by seconds at concurrency 64, which would hide milliseconds),
-   `rivulet bench serve` at concurrency 64 straight to it and through the router, alternating, 3 rounds each;
-   the mean TTFT the router adds.
+   `rivulet bench serve` at concurrency 64 straight to it and through each router, in turn, 3 rounds each;
+   the mean TTFT each router adds.
 
-    python benchmarks/router.py --out benchmarks/results/router [--policies round_robin,cache_aware] [--skip-overhead]
+    python benchmarks/router.py --out benchmarks/results/router [--routers rivulet,sglang] [--policies ...] [--skip-overhead]
 
 writes OUT/router.json (and each bench run's JSON and each process's log next to it).
 """
@@ -33,6 +35,19 @@ sys.path.insert(0, str(ROOT))
 from rivulet.bench.serve import cache_summary, parse_cache_counters  # noqa: E402
 
 RIVULET = str(ROOT / ".venv/bin/rivulet")
+PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache/rivulet-peers"))
+
+
+def router_cmd(router: str, port: int, policy: str, urls: list[str]) -> list[str]:
+    if router == "rivulet":
+        return [RIVULET, "router", "--port", str(port), "--policy", policy, "--worker-urls", *urls]
+    if router == "sglang":
+        py = PEERS / "sglang-router/bin/python"
+        if not py.exists():
+            subprocess.run(["bash", str(ROOT / "benchmarks/peers/setup_sglang_router.sh")], check=True)
+        return [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port), "--policy",
+                policy, "--worker-urls", *urls, "--log-level", "warn"]
+    raise SystemExit(f"unknown router {router!r}")
 
 
 def spawn(cmd: list[str], log: Path, url: str, cores: str | None = None) -> subprocess.Popen:
@@ -93,30 +108,32 @@ def cache_counters(urls: list[str]) -> dict[str, float]:
 
 def affinity(a: argparse.Namespace, out: Path) -> dict:
     cores = sorted(os.sched_getaffinity(0))
-    results = {}
-    for policy in a.policies.split(","):
-        urls = [f"http://127.0.0.1:{a.port + 1 + i}" for i in range(a.replicas)]
-        procs = []
-        try:
-            for i in range(a.replicas):
-                pin = str(cores[i % len(cores)]) if a.replicas <= len(cores) else None
-                procs.append(replica(i, a.port + 1 + i, a.kv_blocks, a.max_model_len, out / policy, pin))
-            router_url = f"http://127.0.0.1:{a.port}"
-            procs.append(spawn([RIVULET, "router", "--port", str(a.port), "--policy", policy, "--worker-urls", *urls],
-                               out / policy / "router.log", router_url))
-            before = cache_counters(urls)
-            res = bench(router_url, out / policy / "bench.json",
-                        ["--dataset", "shared-prefix", "--num-prefixes", str(a.prefixes), "--prefix-len",
-                         str(a.prefix_len), "--input-len", str(a.prefix_len + a.suffix_len), "--output-len",
-                         str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency",
-                         str(a.concurrency), "--num-warmups", "0", "--label", policy], out / policy / "bench.log")
-            cache = cache_summary(before, cache_counters(urls))
-            workers = httpx.get(router_url + "/workers", timeout=10).json()["workers"]
-        finally:
-            for p in reversed(procs):
-                stop(p)
-        results[policy] = {**point(res), "prefix_cache": cache, "served_per_replica": [w["served"] for w in workers]}
-        print(policy, json.dumps(results[policy]), flush=True)
+    results: dict = {}
+    for router in a.routers.split(","):
+        for policy in a.policies.split(","):
+            name = policy if router == "rivulet" else f"{router}-{policy}"
+            (out / name).mkdir(parents=True, exist_ok=True)
+            urls = [f"http://127.0.0.1:{a.port + 1 + i}" for i in range(a.replicas)]
+            procs = []
+            try:
+                for i in range(a.replicas):
+                    pin = str(cores[i % len(cores)]) if a.replicas <= len(cores) else None
+                    procs.append(replica(i, a.port + 1 + i, a.kv_blocks, a.max_model_len, out / name, pin))
+                router_url = f"http://127.0.0.1:{a.port}"
+                procs.append(spawn(router_cmd(router, a.port, policy, urls), out / name / "router.log", router_url))
+                before = cache_counters(urls)
+                res = bench(router_url, out / name / "bench.json",
+                            ["--dataset", "shared-prefix", "--num-prefixes", str(a.prefixes), "--prefix-len",
+                             str(a.prefix_len), "--input-len", str(a.prefix_len + a.suffix_len), "--output-len",
+                             str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency",
+                             str(a.concurrency), "--num-warmups", "0", "--label", name], out / name / "bench.log")
+                cache = cache_summary(before, cache_counters(urls))
+                served = [int(cache_counters([u]).get("queries", 0)) for u in urls]  # prompt tokens per replica
+            finally:
+                for p in reversed(procs):
+                    stop(p)
+            results[name] = {**point(res), "prefix_cache": cache, "prompt_tokens_per_replica": served}
+            print(name, json.dumps(results[name]), flush=True)
     return results
 
 
@@ -158,28 +175,36 @@ def fake_worker(port: int, tpot_s: float) -> None:
 
 def overhead(a: argparse.Namespace, out: Path) -> dict:
     url = f"http://127.0.0.1:{a.port + 1}"
-    runs: dict[str, list[dict]] = {"direct": [], "router": []}
+    routers = a.routers.split(",")
+    runs: dict[str, list[dict]] = {"direct": [], **{r: [] for r in routers}}
     worker = spawn([sys.executable, __file__, "--fake-worker", str(a.port + 1), "--fake-tpot-ms", str(a.fake_tpot_ms)],
                    out / "overhead" / "worker.log", url)
-    router = spawn([RIVULET, "router", "--port", str(a.port), "--policy", "round_robin", "--worker-urls", url],
-                   out / "overhead" / "router.log", f"http://127.0.0.1:{a.port}")
+    procs = []
     try:
+        for i, r in enumerate(routers):
+            port = a.port + 2 + i
+            procs.append(spawn(router_cmd(r, port, "round_robin", [url]), out / "overhead" / f"{r}-router.log",
+                               f"http://127.0.0.1:{port}"))
+        targets = [("direct", url)] + [(r, f"http://127.0.0.1:{a.port + 2 + i}") for i, r in enumerate(routers)]
         for rnd in range(3):
-            for name, target in (("direct", url), ("router", f"http://127.0.0.1:{a.port}")):
+            for name, target in targets:
                 res = bench(target, out / "overhead" / f"{name}{rnd}.json",
                             ["--dataset", "random", "--input-len", "128", "--output-len", "16", "--num-prompts", "256",
                              "--max-concurrency", "64", "--label", name], out / "overhead" / f"{name}{rnd}.log")
                 runs[name].append(point(res))
     finally:
-        stop(router)
+        for p in procs:
+            stop(p)
         stop(worker)
     mean = {k: sum(r["mean_ttft_ms"] for r in v) / len(v) for k, v in runs.items()}
-    return {"runs": runs, "mean_ttft_ms": mean, "added_mean_ttft_ms": mean["router"] - mean["direct"]}
+    return {"runs": runs, "mean_ttft_ms": mean,
+            "added_mean_ttft_ms": {r: mean[r] - mean["direct"] for r in routers}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/router")
+    ap.add_argument("--routers", default="rivulet,sglang", help="rivulet and/or sglang (sglang-router, the peer)")
     ap.add_argument("--policies", default="round_robin,cache_aware")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--prefixes", type=int, default=8)
@@ -200,23 +225,27 @@ def main() -> None:
     if a.fake_worker is not None:
         return fake_worker(a.fake_worker, a.fake_tpot_ms / 1000)
     out = Path(a.out)
-    for sub in [*a.policies.split(","), "overhead"]:
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    (out / "overhead").mkdir(parents=True, exist_ok=True)
     results: dict = {"config": vars(a), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                                                  capture_output=True, text=True).stdout.strip()}
     results["affinity"] = {} if a.skip_affinity else affinity(a, out)
     if not a.skip_overhead:
         results["overhead"] = overhead(a, out)
-    aff = results["affinity"]
-    if "round_robin" in aff and "cache_aware" in aff:
-        rr, ca = aff["round_robin"], aff["cache_aware"]
-        results["summary"] = {
-            "hit_rate_ratio": (ca["prefix_cache"]["hit_rate"] / rr["prefix_cache"]["hit_rate"]
-                               if rr["prefix_cache"]["hit_rate"] else None),
-            "mean_ttft_ratio": ca["mean_ttft_ms"] / rr["mean_ttft_ms"],
-            "throughput_ratio": ca["output_throughput"] / rr["output_throughput"]}
+    aff, summary = results["affinity"], {}
+    for router in a.routers.split(","):
+        rr, ca = (aff.get(p if router == "rivulet" else f"{router}-{p}") for p in ("round_robin", "cache_aware"))
+        if rr and ca:
+            summary[router] = {
+                "hit_rate_ratio": ca["prefix_cache"]["hit_rate"] / rr["prefix_cache"]["hit_rate"]
+                if rr["prefix_cache"]["hit_rate"] else None,
+                "mean_ttft_ratio": ca["mean_ttft_ms"] / rr["mean_ttft_ms"],
+                "throughput_ratio": ca["output_throughput"] / rr["output_throughput"]}
+    if "cache_aware" in aff and "sglang-cache_aware" in aff:
+        summary["rivulet_over_sglang_cache_aware_mean_ttft"] = \
+            aff["cache_aware"]["mean_ttft_ms"] / aff["sglang-cache_aware"]["mean_ttft_ms"]
+    results["summary"] = summary
     (out / "router.json").write_text(json.dumps(results, indent=1))
-    print(json.dumps(results.get("summary"), indent=1), json.dumps(results.get("overhead", {}).get("mean_ttft_ms")))
+    print(json.dumps(results["summary"], indent=1), json.dumps(results.get("overhead", {}).get("added_mean_ttft_ms")))
 
 
 if __name__ == "__main__":

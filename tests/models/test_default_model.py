@@ -42,18 +42,19 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(src, prompts):
-    """transformers' greedy continuations and per-step raw logits."""
+    """transformers' greedy continuations and per-step raw logits, all prompts in one left-padded batch (one
+    generate of STEPS steps instead of one per prompt: the masked padding leaves each row's logits as alone)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(src.path), gguf_file=src.gguf_file, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # compare all STEPS tokens: no stopping, no EOS masking
-    out = []
-    for ids in prompts:
-        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                        max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                        return_dict_in_generate=True, pad_token_id=0, repetition_penalty=None)
-        out.append((g.sequences[0, len(ids):].tolist(), torch.cat(g.logits).float()))
-    return out
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    g = hf.generate(input_ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True, pad_token_id=0, repetition_penalty=None)
+    logits = torch.stack(g.logits, dim=1).float()  # [prompts, steps, vocab]
+    return [(g.sequences[i, width:].tolist(), logits[i]) for i in range(len(prompts))]
 
 
 def _greedy(runner, ids: list[int], steps: int) -> list[int]:
