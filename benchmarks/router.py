@@ -46,7 +46,7 @@ def router_cmd(router: str, port: int, policy: str, urls: list[str]) -> list[str
         if not py.exists():
             subprocess.run(["bash", str(ROOT / "benchmarks/peers/setup_sglang_router.sh")], check=True)
         return [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port), "--policy",
-                policy, "--worker-urls", *urls, "--log-level", "warn"]
+                policy, "--worker-urls", *urls, "--log-level", "warn", "--prometheus-port", str(port + 1000)]
     raise SystemExit(f"unknown router {router!r}")
 
 

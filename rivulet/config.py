@@ -92,6 +92,8 @@ class ParallelConfig:
     replicated_experts: list[int] | None = None  # EP: expert ids every rank also holds (hot experts)
     distributed_executor_backend: str | None = None  # None/"mp": worker processes here; "ray": Ray actors
     pipeline_micro_batches: int | None = None  # PP: a step's sequences in this many micro-batches (None: 1)
+    data_parallel_size: int = 1  # engine replicas behind one `rivulet serve` (each a tp x pp engine of its own)
+    cpus: list[int] | None = None  # the cores this engine's processes run on (a replica's share); None: all
 
     @property
     def world_size(self) -> int:

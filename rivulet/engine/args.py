@@ -55,6 +55,9 @@ class EngineArgs:
                                                                 flags=["--tensor-parallel-size", "-tp"]))
     pipeline_parallel_size: int = field(default=1, metadata=_opt("stages that split the layers",
                                                                   flags=["--pipeline-parallel-size", "-pp"]))
+    data_parallel_size: int = field(default=1, metadata=_opt(
+        "rivulet serve: engine replicas behind one API server, each on its share of the cores",
+        flags=["--data-parallel-size", "-dp"]))
     enable_sequence_parallel: bool = field(default=False, metadata=_opt(
         "with TP: norms and residuals on token shards (reduce-scatter + all-gather)"))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
@@ -123,6 +126,6 @@ class EngineArgs:
                 enable_expert_parallel=self.enable_expert_parallel,
                 replicated_experts=list(self.replicated_experts) if self.replicated_experts else None,
                 distributed_executor_backend=self.distributed_executor_backend,
-                pipeline_micro_batches=self.pipeline_micro_batches),
+                pipeline_micro_batches=self.pipeline_micro_batches, data_parallel_size=self.data_parallel_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
         )

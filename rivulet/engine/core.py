@@ -68,6 +68,9 @@ def check_kv_tier(config: EngineConfig) -> None:
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
+        if config.parallel.data_parallel_size != 1:
+            raise RivuletError("--data-parallel-size runs replicas behind `rivulet serve`; one engine (and the "
+                               "offline LLM) is one replica")
         check_kv_tier(config)
         self.executor = make_executor(config, source)
         try:

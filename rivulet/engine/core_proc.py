@@ -44,6 +44,8 @@ def main() -> None:
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """The engine process's loop."""
+    if config.parallel.cpus:  # a data-parallel replica: its share of the cores (its workers inherit it)
+        os.sched_setaffinity(0, config.parallel.cpus)
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,18 @@ def _gguf_cache_key(path: Path) -> str:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+_LOAD_LOCK = threading.Lock()  # transformers' lazy imports are not safe from two threads at once
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
     """The model's tokenizer (or the one at `tokenizer`, a folder), with its chat template;
-    None for a Hugging Face folder that ships no tokenizer files."""
+    None for a Hugging Face folder that ships no tokenizer files. One load at a time in a process
+    (data-parallel replicas load theirs from parallel threads)."""
+    with _LOAD_LOCK:
+        return _load_tokenizer(src, tokenizer)
+
+
+def _load_tokenizer(src: ModelSource, tokenizer: str | None) -> PreTrainedTokenizerBase | None:
     try:
         if tokenizer is not None:
             return _auto(tokenizer)

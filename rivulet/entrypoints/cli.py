@@ -51,6 +51,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the tool-call format of the model: hermes (Qwen2.5/3, Hermes), llama3_json, mistral")
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="put a reasoning model's <think>...</think> in message.reasoning_content")
+    p.add_argument("--data-parallel-policy", default="cache_aware",
+                   choices=["cache_aware", "round_robin", "power_of_two", "consistent_hash"],
+                   help="with --data-parallel-size: which replica takes a request")
     p.add_argument("--max-engine-restarts", type=int, default=3,
                    help="restart a dead engine up to this many times per 10 minutes, then exit 1")
     p.add_argument("--engine-watchdog-s", type=float, default=300.0,

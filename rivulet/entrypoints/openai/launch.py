@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 from pathlib import Path
 from dataclasses import dataclass
+from typing import Any
 
 from rivulet.config import EngineConfig, RivuletError
 from rivulet.engine.args import EngineArgs
@@ -43,6 +45,7 @@ class ServerSettings:
     max_engine_restarts: int = 3  # within 10 minutes; one more ends the server with exit code 1
     engine_watchdog_s: float | None = 300.0  # kill an engine silent this long with work to do; None: no watchdog
     max_request_bytes: int = 32 << 20  # larger bodies get 413
+    data_parallel_policy: str = "cache_aware"  # which replica takes a request (rivulet/router/policies.py)
 
     @property
     def admission_limit(self) -> int | None:
@@ -67,6 +70,11 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise RivuletError("--engine-watchdog-s must be > 0 (leave it out for the default, 300)")
     if a.max_request_bytes < 1:
         raise RivuletError("--max-request-bytes must be >= 1")
+    if a.data_parallel_size < 1:
+        raise RivuletError("--data-parallel-size must be >= 1")
+    if a.data_parallel_size > 1 and (a.kv_offload_memory or a.kv_tier_path):
+        raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) serves one replica: drop it or "
+                           "--data-parallel-size")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise RivuletError("--enable-auto-tool-choice needs --tool-call-parser "
                            f"({', '.join(TOOL_CALL_PARSERS)})")
@@ -78,11 +86,13 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         elif "{" not in template:  # neither a file nor a template
             raise RivuletError(f"--chat-template {a.chat_template!r}: no such file")
     return ServerSettings(served_model_names=a.served_model_name or [a.model], model_root=a.model,
-                          api_key=a.api_key, max_queue=a.max_queue, max_num_seqs=a.max_num_seqs,
+                          api_key=a.api_key, max_queue=a.max_queue,
+                          max_num_seqs=a.max_num_seqs * a.data_parallel_size,
                           drain_timeout=a.drain_timeout, chat_template=template,
                           tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
                           reasoning_parser=a.reasoning_parser, max_engine_restarts=a.max_engine_restarts,
-                          engine_watchdog_s=a.engine_watchdog_s, max_request_bytes=a.max_request_bytes)
+                          engine_watchdog_s=a.engine_watchdog_s, max_request_bytes=a.max_request_bytes,
+                          data_parallel_policy=a.data_parallel_policy)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -113,8 +123,18 @@ async def _start_and_serve(config: EngineConfig, settings: ServerSettings, sock:
                            a: argparse.Namespace) -> int:
     from rivulet.entrypoints.openai.supervisor import SupervisedEngine
 
-    logger.info("starting the engine for %s", config.model.model)
-    engine = SupervisedEngine(config, settings.max_engine_restarts, watchdog_s=settings.engine_watchdog_s)
+    n = config.parallel.data_parallel_size
+    logger.info("starting the engine for %s%s", config.model.model, f" ({n} replicas)" if n > 1 else "")
+    if n == 1:
+        engine: Any = SupervisedEngine(config, settings.max_engine_restarts, watchdog_s=settings.engine_watchdog_s)
+    else:
+        from rivulet.entrypoints.openai.data_parallel import DataParallelEngine, replica_configs
+        from rivulet.router.policies import POLICIES
+
+        cpus = sorted(os.sched_getaffinity(0))
+        engine = DataParallelEngine([SupervisedEngine(c, settings.max_engine_restarts,
+                                                      watchdog_s=settings.engine_watchdog_s)
+                                     for c in replica_configs(config, n, cpus)], POLICIES[settings.data_parallel_policy]())
     try:
         from rivulet.entrypoints.openai.api_server import serve  # FastAPI: imported while the model loads
 
