@@ -302,3 +302,17 @@ def test_reasoning_parser_starts_grammars_after_the_thinking(tokenizer: Any) -> 
 
         asyncio.run(main())
         assert seen[-1].structured_outputs is not None and seen[-1].structured_outputs.after_token_ids == want
+
+
+def test_data_parallel_replica_configs_and_merged_stats() -> None:
+    from rivulet.engine.args import EngineArgs
+    from rivulet.entrypoints.openai.data_parallel import merge_stats, replica_configs
+
+    config = EngineArgs(data_parallel_size=2).create_engine_config()
+    two = replica_configs(config, 2, [0, 1, 2, 3])
+    assert [c.parallel.cpus for c in two] == [[0, 1], [2, 3]]
+    assert all(c.parallel.data_parallel_size == 1 for c in two)  # each replica is one engine
+    assert [c.parallel.cpus for c in replica_configs(config, 3, [0, 1])] == [[0, 1]] * 3  # fewer cores: share all
+    merged = merge_stats([{"num_running": 2, "kv_cache_usage": 0.5, "kv_tier_block_bytes": 10, "model": "m"},
+                          {"num_running": 3, "kv_cache_usage": 0.1, "kv_tier_block_bytes": 10, "model": "m"}])
+    assert merged == {"num_running": 5, "kv_cache_usage": 0.3, "kv_tier_block_bytes": 10, "model": "m"}
