@@ -76,8 +76,7 @@ class Router:
             # idle connections are dropped before a worker's own keep-alive timeout (uvicorn: 5 s) closes them
             self._client = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.read_timeout),
-                auto_decompress=False)
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.read_timeout))
         return self._client
 
     async def close(self) -> None:
