@@ -21,7 +21,7 @@ def _workload(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     for i in range(N):
         body = tokenizer(" ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))).input_ids
         prompts.append((shared + body) if i % 3 == 0 else body)
-        params.append(SamplingParams(temperature=0, max_tokens=rng.randint(4, 20), ignore_eos=i % 4 == 0))
+        params.append(SamplingParams(temperature=0, max_tokens=rng.randint(4, 12), ignore_eos=i % 4 == 0))
     return prompts, params
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
+import gguf
 import pytest
 import torch
 
-from helpers.runner import make_runner, teacher_forced_logits
+from helpers.runner import make_runner
 from rivulet.engine.tokenizer import load_tokenizer
+from rivulet.layers.quantization import MAX_ROWS
 from rivulet.models.loader import resolve_model
 from rivulet.worker.batch import SeqChunk
 
@@ -19,6 +23,7 @@ PROMPTS = [
 ]
 STEPS = 48
 MARGIN = 1e-4
+_READER = gguf.GGUFReader
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,14 @@ def reference(src, prompts):
     generate of STEPS steps instead of one per prompt: the masked padding leaves each row's logits as alone)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(src.path), gguf_file=src.gguf_file, dtype=torch.float32).eval()
+    # transformers' GGUF loader reads the file twice (config, then weights) and rebuilds gguf's tensor-name map
+    # once per tensor: 32 s of the 45 s this fixture took. Memoizing both changes no value it loads.
+    readers: dict = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda path, *a: readers.setdefault((str(path), a), _READER(path, *a)))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        hf = AutoModelForCausalLM.from_pretrained(str(src.path), gguf_file=src.gguf_file, dtype=torch.float32)
+    hf.eval()
     hf.generation_config.eos_token_id = None  # compare all STEPS tokens: no stopping, no EOS masking
     width = max(len(ids) for ids in prompts)
     input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
@@ -57,20 +69,45 @@ def reference(src, prompts):
     return [(g.sequences[i, width:].tolist(), logits[i]) for i in range(len(prompts))]
 
 
-def _greedy(runner, ids: list[int], steps: int) -> list[int]:
-    blocks = list(range(64))
-    logits = runner.forward([SeqChunk(ids, 0, blocks)])
-    toks: list[int] = []
+BLOCKS_PER_SEQ = 8  # 128 positions: the longest prompt (~40 tokens) + STEPS
+
+
+def _blocks(i: int) -> list[int]:
+    return list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
+
+
+def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy continuations of all prompts decoded as one batch (one forward per step, not per prompt)."""
+    logits = runner.forward([SeqChunk(ids, 0, _blocks(i)) for i, ids in enumerate(prompts)])
+    toks: list[list[int]] = [[] for _ in prompts]
     for _ in range(steps):
-        toks.append(int(logits[0].argmax()))
-        logits = runner.forward([SeqChunk([toks[-1]], len(ids) + len(toks) - 1, blocks)])
+        for t, row in zip(toks, logits):
+            t.append(int(row.argmax()))
+        logits = runner.forward([SeqChunk([t[-1]], len(ids) + len(t) - 1, _blocks(i))
+                                 for i, (ids, t) in enumerate(zip(prompts, toks))])
     return toks
 
 
+def _decode_logits(runner, seqs: list[list[int]], starts: list[int], group: int) -> list[torch.Tensor]:
+    """Teacher-forced logits of positions start-1 .. len-2 of each sequence: each prompt in one prefill,
+    then one token per step, `group` sequences per step (a decode batch that small-batch kernels serve)."""
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for g in range(0, len(seqs), group):
+        idx = range(g, min(g + group, len(seqs)))
+        logits = runner.forward([SeqChunk(seqs[i][:starts[i]], 0, _blocks(i)) for i in idx])
+        for i, row in zip(idx, logits):
+            out[i].append(row[None])
+        for k in range(max(len(seqs[i]) - 1 - starts[i] for i in idx)):
+            live = [i for i in idx if starts[i] + k < len(seqs[i]) - 1]
+            logits = runner.forward([SeqChunk([seqs[i][starts[i] + k]], starts[i] + k, _blocks(i)) for i in live])
+            for i, row in zip(live, logits):
+                out[i].append(row[None])
+    return [torch.cat(o) for o in out]
+
+
 def test_greedy_float32_matches_transformers(prompts, reference):
-    runner = make_runner("default", "float32", num_blocks=64 * 1, block_size=16)
-    for ids, (ref_toks, ref_logits) in zip(prompts, reference):
-        ours = _greedy(runner, ids, STEPS)
+    runner = make_runner("default", "float32", num_blocks=BLOCKS_PER_SEQ * len(prompts), block_size=16)
+    for ids, ours, (ref_toks, ref_logits) in zip(prompts, _greedy(runner, prompts, STEPS), reference):
         for step, (a, b) in enumerate(zip(ours, ref_toks)):
             if a != b:
                 top2 = ref_logits[step].topk(2).values
@@ -82,15 +119,17 @@ def test_greedy_float32_matches_transformers(prompts, reference):
 def _agreement(runner, prompts, reference, one_token_steps: bool) -> tuple[float, float, int]:
     """(top-1 agreement, mean |dlogprob| of the reference token, steps), teacher-forced on the fp32
     continuations: the whole sequence in one prefill, or the prompt then one token per step (the
-    decode path, where small-batch kernels such as int8 run)."""
+    decode path, where small-batch kernels such as int8 run: 5 rows per step, under MAX_ROWS)."""
+    seqs = [ids + ref_toks for ids, (ref_toks, _) in zip(prompts, reference)]
+    if one_token_steps:
+        assert 5 <= MAX_ROWS
+        all_logits = _decode_logits(runner, seqs, [len(ids) for ids in prompts], group=5)
+    else:
+        all_logits = [runner.forward([SeqChunk(seq, 0, _blocks(0))], all_logits=True)[len(ids) - 1: -1]
+                      for ids, seq in zip(prompts, seqs)]
     agree = total = 0
     dlp = []
-    for ids, (ref_toks, ref_logits) in zip(prompts, reference):
-        seq = ids + ref_toks
-        if one_token_steps:
-            logits = teacher_forced_logits(runner, seq[:-1], [len(ids)], list(range(64)))[len(ids) - 1:]
-        else:
-            logits = runner.forward([SeqChunk(seq, 0, list(range(64)))], all_logits=True)[len(ids) - 1 : -1]
+    for logits, (ref_toks, ref_logits) in zip(all_logits, reference):
         agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
         total += len(ref_toks)
         lp, ref_lp = logits.float().log_softmax(-1), ref_logits.log_softmax(-1)
@@ -101,7 +140,7 @@ def _agreement(runner, prompts, reference, one_token_steps: bool) -> tuple[float
 
 def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
     """bf16 next-token agreement and log-probability error, teacher-forced on the fp32 continuations."""
-    runner = make_runner("default", "bfloat16", num_blocks=64, block_size=16)
+    runner = make_runner("default", "bfloat16", num_blocks=BLOCKS_PER_SEQ, block_size=16)
     rate, mean_dlp, total = _agreement(runner, prompts, reference, one_token_steps=False)
     with capsys.disabled():
         print(f"\nbf16 vs fp32 on the default model: top-1 agreement {rate:.4f} over {total} steps, "
@@ -120,7 +159,8 @@ def test_quantized_decode_agrees_with_float32(method, act, min_rate, max_dlp, pr
     """The weight-only int8/int4 paths (decode steps) against the fp32 reference. int4 holds the file's
     Q4_1 weights exactly, so its cost is the int8 activation blocks (llama.cpp's Q8_1: the same) and,
     with bf16 activations, the bf16 rounding of everything else (llama.cpp computes those in fp32)."""
-    runner = make_runner("default", act, num_blocks=64, block_size=16, quantization=method)
+    runner = make_runner("default", act, num_blocks=BLOCKS_PER_SEQ * len(prompts), block_size=16,
+                         quantization=method)
     assert runner.model.lm_head.quant is not None  # the path under test is really taken
     rate, mean_dlp, total = _agreement(runner, prompts, reference, one_token_steps=True)
     with capsys.disabled():
