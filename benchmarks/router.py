@@ -7,9 +7,9 @@
    replica's KV pool holds about G/R prefixes plus room to run, so where the requests of a prefix go decides
    whether it is cached. Reported per policy: the replicas' prefix-cache hit rate (their own counters), mean
    TTFT, output throughput, errors.
-2. Overhead: a stand-in worker whose first token comes 100 ms after the request and the next every 20 ms (an
+2. Overhead: a stand-in worker whose first token comes 100 ms after the request and the next every `--fake-tpot-ms` (100) (an
    engine's own TTFT on 2 shared cores varies by seconds at concurrency 64, which would hide milliseconds),
-   `rivulet bench serve` at concurrency 64 straight to it and through each router, in turn, 3 rounds each;
+   `rivulet bench serve` at concurrency 64 straight to it and through each router, in turn, `--rounds` rounds (5) in alternating order;
    the mean TTFT each router adds.
 
     python benchmarks/router.py --out benchmarks/results/router [--routers rivulet,sglang] [--policies ...] [--skip-overhead]
@@ -186,8 +186,8 @@ def overhead(a: argparse.Namespace, out: Path) -> dict:
             procs.append(spawn(router_cmd(r, port, "round_robin", [url]), out / "overhead" / f"{r}-router.log",
                                f"http://127.0.0.1:{port}"))
         targets = [("direct", url)] + [(r, f"http://127.0.0.1:{a.port + 2 + i}") for i, r in enumerate(routers)]
-        for rnd in range(3):
-            for name, target in targets:
+        for rnd in range(a.rounds):
+            for name, target in (targets if rnd % 2 == 0 else targets[::-1]):  # alternate the order: drift cancels
                 res = bench(target, out / "overhead" / f"{name}{rnd}.json",
                             ["--dataset", "random", "--input-len", "128", "--output-len", "16", "--num-prompts", "256",
                              "--max-concurrency", "64", "--label", name], out / "overhead" / f"{name}{rnd}.log")
@@ -197,8 +197,10 @@ def overhead(a: argparse.Namespace, out: Path) -> dict:
             stop(p)
         stop(worker)
     mean = {k: sum(r["mean_ttft_ms"] for r in v) / len(v) for k, v in runs.items()}
-    return {"runs": runs, "mean_ttft_ms": mean,
-            "added_mean_ttft_ms": {r: mean[r] - mean["direct"] for r in routers}}
+    # per round, router minus direct (the two ran back to back): the median of those resists a noisy round
+    added = {r: sorted(x["mean_ttft_ms"] - d["mean_ttft_ms"] for x, d in zip(runs[r], runs["direct"])) for r in routers}
+    return {"runs": runs, "mean_ttft_ms": mean, "added_mean_ttft_ms": {r: mean[r] - mean["direct"] for r in routers},
+            "added_per_round_ms": added, "added_median_ms": {r: v[len(v) // 2] for r, v in added.items()}}
 
 
 def main() -> None:
@@ -217,6 +219,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--port", type=int, default=8060)
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5, help="overhead run: rounds of direct and each router")
     ap.add_argument("--skip-affinity", action="store_true")
     ap.add_argument("--fake-worker", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--fake-tpot-ms", type=float, default=100.0,
@@ -245,7 +248,7 @@ def main() -> None:
             aff["cache_aware"]["mean_ttft_ms"] / aff["sglang-cache_aware"]["mean_ttft_ms"]
     results["summary"] = summary
     (out / "router.json").write_text(json.dumps(results, indent=1))
-    print(json.dumps(results["summary"], indent=1), json.dumps(results.get("overhead", {}).get("added_mean_ttft_ms")))
+    print(json.dumps(results["summary"], indent=1), json.dumps(results.get("overhead", {}).get("added_median_ms")))
 
 
 if __name__ == "__main__":

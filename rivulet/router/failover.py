@@ -17,6 +17,7 @@ from the resume point on only, and frequency/presence penalties see the sent tok
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,13 +55,22 @@ class StreamState:
     kind: str  # "completions" or "chat"
     body: dict[str, Any]  # the client's request
     prompt_ids: list[int] | None = None
-    token_ids: list[int] = field(default_factory=list)
     id: str | None = None
     created: int | None = None
     model: str | None = None
     finished: bool = False  # a finish_reason was sent
     usage_sent: bool = False
     resumes: int = 0
+    _ids: list[int] = field(default_factory=list)
+    _id_bytes: list[bytes] = field(default_factory=list)  # token ids of relayed events, parsed when needed
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token id sent so far."""
+        if self._id_bytes:
+            self._ids.extend(int(t) for piece in self._id_bytes for t in piece.split(b",") if t.strip())
+            self._id_bytes.clear()
+        return self._ids
 
     def observe(self, obj: dict[str, Any]) -> None:
         """Record one chunk sent to the client (original or rewritten)."""
@@ -75,6 +85,19 @@ class StreamState:
             if choice.get("finish_reason") is not None:
                 self.finished = True
         if obj.get("usage"):
+            self.usage_sent = True
+
+    def needs_parse(self, data: bytes) -> bool:
+        """Whether an event must be parsed: the first one, one that carries the prompt's ids before they are
+        known, and any that may be an error event. The rest go through `observe_raw`."""
+        return self.id is None or b'"error"' in data or (self.prompt_ids is None and b'"prompt_token_ids"' in data)
+
+    def observe_raw(self, data: bytes) -> None:
+        """`observe` for one event's JSON text as the worker sent it (an event `needs_parse` declined)."""
+        self._id_bytes.extend(_TOKEN_IDS.findall(data))
+        if not self.finished and _FINISHED.search(data):
+            self.finished = True
+        if not self.usage_sent and _USAGE.search(data):
             self.usage_sent = True
 
     def continuation(self) -> dict[str, Any]:
@@ -133,6 +156,20 @@ def strip_token_ids(obj: dict[str, Any]) -> dict[str, Any]:
         choice.pop("prompt_token_ids", None)
         choice.pop("token_ids", None)
     return obj
+
+
+def strip_token_ids_raw(data: bytes) -> bytes:
+    """`strip_token_ids` on an event's JSON text. Exact because a key can only match outside strings:
+    inside a JSON string every quote is escaped, so ``"token_ids":`` cannot occur there."""
+    return _ID_FIELDS.sub(b"", data)
+
+
+# a token-id field (with its comma) and the ids of a "token_ids" field; the values are flat lists of ints
+_ID_FIELDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|null)'
+                        rb'|"(?:prompt_)?token_ids"\s*:\s*(?:\[[^\]]*\]|null)\s*,?')
+_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')  # a reason is a string; none is null
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 
 
 def server_error_event(obj: dict[str, Any]) -> bool:

@@ -17,7 +17,8 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from rivulet.router.failover import StreamState, resumable, server_error_event, sse, strip_token_ids
+from rivulet.router.failover import (StreamState, resumable, server_error_event, sse, strip_token_ids,
+                                     strip_token_ids_raw)
 from rivulet.router.metrics import RouterMetrics
 from rivulet.router.policies import Policy, RouteInput
 from rivulet.router.workers import Worker, WorkerPool
@@ -164,21 +165,28 @@ class Router:
                 assert answer.stream is not None
                 w, failure, complete = answer.worker, None, False
                 try:
-                    async for obj, raw in _events(answer.stream):
-                        if obj == "[DONE]":  # the body was read to its end
-                            complete = True
+                    async for events in _event_batches(answer.stream):
+                        out: list[bytes] = []  # what this network read gives the client, sent at once
+                        for data in events:
+                            if data is DONE:  # the body was read to its end
+                                complete = True
+                                break
+                            obj = _parse(data) if resumed_from is not None or state.needs_parse(data) else None
+                            if obj is not None and server_error_event(obj):
+                                failure = "error event: " + str(obj["error"].get("message"))[:200]
+                                break
+                            if resumed_from is None:  # the hot path: bytes in, bytes out, most events unparsed
+                                state.observe(obj) if obj is not None else state.observe_raw(data)
+                                out.append(b"data: " + (data if wants_ids else strip_token_ids_raw(data)) + b"\n\n")
+                            else:
+                                new = state.rewrite(obj, resumed_from)
+                                if new is not None:
+                                    state.observe(new)
+                                    out.append(sse(new if wants_ids else strip_token_ids(new)))
+                        if out:
+                            yield b"".join(out)
+                        if complete or failure is not None:
                             break
-                        if server_error_event(obj):
-                            failure = "error event: " + str(obj["error"].get("message"))[:200]
-                            break
-                        if resumed_from is None:
-                            state.observe(obj)
-                            yield raw if wants_ids or "error" in obj else sse(strip_token_ids(obj))
-                        else:
-                            new = state.rewrite(obj, resumed_from)
-                            if new is not None:
-                                state.observe(new)
-                                yield sse(new if wants_ids else strip_token_ids(new))
                     else:
                         failure = "the stream ended without [DONE]"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -240,31 +248,43 @@ class Router:
                 answer.worker.in_flight -= 1
 
 
-async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[Any, bytes]]:
-    """(parsed data, raw event bytes) for each SSE event of `resp`, as it arrives; ``"[DONE]"`` comes after
-    the body is read to its end, so the connection goes back to the pool instead of being closed."""
+DONE = b"[DONE]"
+
+
+async def _event_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """The data of the SSE events of `resp`, in lists of those each network read completes; `DONE` (the
+    object) comes after the body is read to its end, so the connection goes back to the pool instead of
+    being closed."""
     buf, done = b"", False
     async for piece in resp.content.iter_any():
         if done:
             continue
         buf += piece
-        while not done:
+        events: list[bytes] = []
+        while True:
             end = buf.find(b"\n\n")
             if end < 0:
                 break
-            raw, buf = buf[:end + 2], buf[end + 2:]
-            data = b"".join(line[5:].lstrip() for line in raw.split(b"\n") if line.startswith(b"data:"))
+            raw, buf = buf[:end], buf[end + 2:]
+            data = raw[5:].lstrip() if raw.startswith(b"data:") and b"\n" not in raw else \
+                b"".join(line[5:].lstrip() for line in raw.split(b"\n") if line.startswith(b"data:"))
             if not data:
                 continue
-            if data == b"[DONE]":
+            if data == DONE:
                 done = True
                 break
-            try:
-                yield json.loads(data), raw
-            except json.JSONDecodeError:
-                yield {"error": {"message": "a worker sent an event that is not JSON", "type": "server_error"}}, raw
+            events.append(data)
+        if events:
+            yield events
     if done:
-        yield "[DONE]", b""
+        yield [DONE]
+
+
+def _parse(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        return {"error": {"message": "a worker sent an event that is not JSON", "type": "server_error"}}
 
 
 def _error_event(message: str) -> bytes:

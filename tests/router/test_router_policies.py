@@ -6,8 +6,10 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rivulet.router.failover import StreamState, resumable
+from rivulet.router.failover import StreamState, resumable, strip_token_ids, strip_token_ids_raw
 from rivulet.router.policies import CacheAware, CacheAwareConfig, ConsistentHash, PowerOfTwo, RoundRobin, RouteInput
 from rivulet.router.prefix_tree import PrefixTree
 from rivulet.router.proxy import RetryConfig
@@ -160,3 +162,32 @@ def test_what_can_be_resumed_and_the_resume_request() -> None:
     usage = s.rewrite({"id": "cmpl-x", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}, 3)
     assert usage is not None and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}
     assert StreamState("chat", {"messages": []}, prompt_ids=[1]).continuation()["max_tokens"] is None
+
+
+_TEXT = st.lists(st.sampled_from(list('ab "\\[],:{}') + ['"token_ids":[1]', '"finish_reason":"stop"', '"usage":{',
+                                                         '"error"']), max_size=8).map("".join)
+_CHOICE = st.fixed_dictionaries({"index": st.just(0), "text": _TEXT},
+                                optional={"token_ids": st.lists(st.integers(0, 99999), max_size=3) | st.none(),
+                                          "prompt_token_ids": st.lists(st.integers(0, 9), max_size=2),
+                                          "finish_reason": st.sampled_from(["stop", "length"]) | st.none()})
+_CHUNK = st.fixed_dictionaries({"id": st.just("c1"), "choices": st.lists(_CHOICE, max_size=2)},
+                               optional={"usage": st.none() | st.just({"prompt_tokens": 1}), "model": _TEXT})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_CHUNK, min_size=1, max_size=5), st.booleans(), st.booleans())
+def test_the_relay_hot_path_on_event_bytes_equals_parsing_them(chunks, compact, key_first) -> None:
+    """Stripping token ids from an event's bytes, and reading ids/finish/usage from them unparsed, give what
+    parsing gives: whatever the text holds (quotes, brackets, the keys themselves) and however it is spaced."""
+    import json as _json
+
+    sep = (",", ":") if compact else (", ", ": ")
+    raw, parsed = StreamState("chat", {}), StreamState("chat", {})
+    for chunk in chunks:
+        if key_first:  # a token-id field first in its object
+            chunk["choices"] = [{"token_ids": [3], **c} for c in chunk["choices"]]
+        data = _json.dumps(chunk, separators=sep).encode()
+        assert _json.loads(strip_token_ids_raw(data)) == strip_token_ids(_json.loads(data))
+        raw.observe(_json.loads(data)) if raw.needs_parse(data) else raw.observe_raw(data)
+        parsed.observe(_json.loads(data))
+    assert (raw.token_ids, raw.finished, raw.usage_sent) == (parsed.token_ids, parsed.finished, parsed.usage_sent)
