@@ -117,6 +117,31 @@ def test_engine_death_ends_streams_with_an_error_event(tokenizer: Any) -> None:
     assert app.state.ctx.active == 0
 
 
+def test_request_timeout_answers_408_or_ends_the_stream_and_aborts(tokenizer: Any) -> None:
+    """--request-timeout: a request not done in time is aborted in the engine (its slot back) and answered 408,
+    or, streamed, gets the 408 as its last event before [DONE]; a request done in time is untouched."""
+    engine = FakeEngine(tokenizer, script=[504], step_delay=0.05)  # 100 tokens: 5 s
+    app = _app(engine, request_timeout=0.6)
+
+    async def main() -> None:
+        async with _client(app) as c:
+            t0 = time.monotonic()
+            r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 100})
+            assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
+            assert "0.6 s" in r.json()["error"]["message"] and time.monotonic() - t0 < 3
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 100, "stream": True})
+            events = _events(r.text)
+            assert r.status_code == 200 and events[-1] == "[DONE]" and len(events) >= 4  # tokens came first
+            assert events[-2]["error"]["code"] == "request_timeout" and "choices" in events[-3]
+            r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            assert app.state.ctx.active == 0
+
+    asyncio.run(main())
+    assert len(engine.aborted) == 2 and engine.num_unfinished_requests == 0
+
+
 def test_logprobs_are_json_safe_and_shaped(tokenizer: Any) -> None:
     engine = FakeEngine(tokenizer, script=[504, 3575])
     app = _app(engine)

@@ -45,6 +45,7 @@ class ServerSettings:
     max_engine_restarts: int = 3  # within 10 minutes; one more ends the server with exit code 1
     engine_watchdog_s: float | None = 300.0  # kill an engine silent this long with work to do; None: no watchdog
     max_request_bytes: int = 32 << 20  # larger bodies get 413
+    request_timeout: float | None = None  # seconds from arrival to the last byte; past it 408 (None: no limit)
     data_parallel_policy: str = "cache_aware"  # which replica takes a request (rivulet/router/policies.py)
 
     @property
@@ -70,6 +71,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise RivuletError("--engine-watchdog-s must be > 0 (leave it out for the default, 300)")
     if a.max_request_bytes < 1:
         raise RivuletError("--max-request-bytes must be >= 1")
+    if a.request_timeout is not None and a.request_timeout <= 0:
+        raise RivuletError("--request-timeout must be > 0 (leave it out for no limit)")
     if a.data_parallel_size < 1:
         raise RivuletError("--data-parallel-size must be >= 1")
     if a.data_parallel_size > 1 and (a.kv_offload_memory or a.kv_tier_path):
@@ -92,6 +95,7 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
                           tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
                           reasoning_parser=a.reasoning_parser, max_engine_restarts=a.max_engine_restarts,
                           engine_watchdog_s=a.engine_watchdog_s, max_request_bytes=a.max_request_bytes,
+                          request_timeout=a.request_timeout,
                           data_parallel_policy=a.data_parallel_policy)
 
 

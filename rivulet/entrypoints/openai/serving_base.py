@@ -72,7 +72,8 @@ class ServerContext:
                                        "retry later", code="server_overloaded",
                                   headers={"Retry-After": str(self.settings.retry_after_s)})
         self.active += count
-        return RequestGroup(self, count)
+        timeout = self.settings.request_timeout
+        return RequestGroup(self, count, None if timeout is None else Deadline(timeout))
 
     # ---- prompts ----
 
@@ -111,12 +112,28 @@ class ServerContext:
         return max(1, self.engine.model_info.max_model_len - num_prompt_tokens)
 
 
+class Deadline:
+    """When a request must be done (``--request-timeout`` from its arrival)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.at = asyncio.get_running_loop().time() + timeout
+
+    def left(self) -> float:
+        return max(0.0, self.at - asyncio.get_running_loop().time())
+
+    def error(self) -> OpenAIError:
+        return OpenAIError(408, f"the request did not finish within {self.timeout:g} s (--request-timeout)",
+                           code="request_timeout")
+
+
 class RequestGroup:
     """The engine requests of one HTTP request; ``aclose()`` aborts what is unfinished and frees the slots."""
 
-    def __init__(self, ctx: ServerContext, slots: int) -> None:
+    def __init__(self, ctx: ServerContext, slots: int, deadline: Deadline | None = None) -> None:
         self.ctx = ctx
         self.slots = slots
+        self.deadline = deadline
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.closed = False
 
@@ -331,18 +348,22 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def until_disconnected(receive: Receive, aw: Awaitable[T]) -> T:
+async def until_disconnected(receive: Receive, aw: Awaitable[T], deadline: Deadline | None = None) -> T:
     """Await ``aw``; if the client disconnects first, cancel it (its engine requests are aborted by
-    their streams' cleanup) and raise ClientDisconnected."""
+    their streams' cleanup) and raise ClientDisconnected; if `deadline` passes first, cancel it and
+    raise the deadline's 408."""
     work = asyncio.ensure_future(aw)
     watch = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watch}, timeout=None if deadline is None else deadline.left(),
+                                     return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not work.done():
             work.cancel()
         watch.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
+    if not done and deadline is not None:
+        raise deadline.error()
     if work.cancelled():
         raise ClientDisconnected()
     return work.result()
@@ -351,15 +372,18 @@ async def until_disconnected(receive: Receive, aw: Awaitable[T]) -> T:
 class EventStreamResponse(Response):
     """An SSE response that sends ``events`` while watching for the client to leave.
 
-    When the events end, the client disconnects, or this task is cancelled, ``on_close`` runs (it
-    aborts unfinished engine requests and frees their slots) - whether or not streaming started.
+    When the events end, the client disconnects, the deadline passes (the stream then ends with its
+    408 as an error event), or this task is cancelled, ``on_close`` runs (it aborts unfinished engine
+    requests and frees their slots) - whether or not streaming started.
     """
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, deadline: Deadline | None = None) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self.events = events
         self.on_close = on_close
+        self.deadline = deadline
+        self.started = False
         self.sse_headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
                         "x-accel-buffering": "no", **(headers or {})}
 
@@ -367,19 +391,37 @@ class EventStreamResponse(Response):
         sending = asyncio.ensure_future(self._send_all(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=None if self.deadline is None else self.deadline.left())
         finally:
             sending.cancel()
             watch.cancel()
             await asyncio.gather(sending, watch, return_exceptions=True)
             await close_quietly(self.events)
             await self.on_close()
+        if not done and self.deadline is not None:  # out of time: end the stream with the 408 (a stalled client
+            await self._end_with(send, sse(self.deadline.error().body()))  # cannot hold this task: 1 s to take it)
+            return
         if not sending.cancelled() and sending.exception() is not None:
             raise sending.exception()  # type: ignore[misc]
 
-    async def _send_all(self, send: Send) -> None:
+    async def _start(self, send: Send) -> None:
+        self.started = True
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.sse_headers.items()]})
+
+    async def _send_all(self, send: Send) -> None:
+        await self._start(send)
         async for event in self.events:
             await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _end_with(self, send: Send, event: str) -> None:
+        async def end() -> None:
+            if not self.started:
+                await self._start(send)
+            await send({"type": "http.response.body", "body": (event + SSE_DONE).encode(), "more_body": False})
+        try:
+            await asyncio.wait_for(end(), 1.0)
+        except (asyncio.TimeoutError, OSError):
+            logger.info("a timed-out stream's client did not take its last event")

@@ -122,11 +122,11 @@ class ChatHandler:
             group.add({"prompt": text, "prompt_token_ids": ids, "cache_salt": body.cache_salt}, params, request_id,
                       body.priority)
             if body.stream:
-                firsts = await until_disconnected(raw.receive, group.prime())
+                firsts = await until_disconnected(raw.receive, group.prime(), group.deadline)
                 events = self._events(body, model, request_id, ids, group, firsts[0], plan)
                 handed_over = True
-                return EventStreamResponse(events, on_close=group.aclose)
-            finals = await until_disconnected(raw.receive, group.collect())
+                return EventStreamResponse(events, on_close=group.aclose, deadline=group.deadline)
+            finals = await until_disconnected(raw.receive, group.collect(), group.deadline)
             return JSONBody(self._response(body, model, request_id, finals[0], plan).model_dump())
         except ClientDisconnected:
             return Response(status_code=499)

@@ -60,11 +60,11 @@ class CompletionHandler:
                 group.add({"prompt": item.text, "prompt_token_ids": item.token_ids, "cache_salt": body.cache_salt}, item.params,
                           f"{request_id}-{i}", body.priority)
             if body.stream:
-                firsts = await until_disconnected(raw.receive, group.prime())
+                firsts = await until_disconnected(raw.receive, group.prime(), group.deadline)
                 events = self._events(body, model, request_id, items, group, firsts)
                 handed_over = True
-                return EventStreamResponse(events, on_close=group.aclose)
-            finals = await until_disconnected(raw.receive, group.collect())
+                return EventStreamResponse(events, on_close=group.aclose, deadline=group.deadline)
+            finals = await until_disconnected(raw.receive, group.collect(), group.deadline)
             return JSONBody(self._response(body, model, request_id, items, finals).model_dump())
         except ClientDisconnected:
             return Response(status_code=499)
