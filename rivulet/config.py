@@ -93,6 +93,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None  # None/"mp": worker processes here; "ray": Ray actors
     pipeline_micro_batches: int | None = None  # PP: a step's sequences in this many micro-batches (None: 1)
     data_parallel_size: int = 1  # engine replicas behind one `rivulet serve` (each a tp x pp engine of its own)
+    data_parallel_backend: str = "mp"  # "mp": replica engines are processes here; "ray": Ray actors
     cpus: list[int] | None = None  # the cores this engine's processes run on (a replica's share); None: all
 
     @property

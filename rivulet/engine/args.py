@@ -58,6 +58,9 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata=_opt(
         "rivulet serve: engine replicas behind one API server, each on its share of the cores",
         flags=["--data-parallel-size", "-dp"]))
+    data_parallel_backend: str = field(default="mp", metadata=_opt(
+        "rivulet serve: mp (replica engines are processes on this machine) or ray (Ray actors placed over the "
+        "cluster that RAY_ADDRESS names, or a local one)", choices=["mp", "ray"]))
     enable_sequence_parallel: bool = field(default=False, metadata=_opt(
         "with TP: norms and residuals on token shards (reduce-scatter + all-gather)"))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
@@ -126,6 +129,7 @@ class EngineArgs:
                 enable_expert_parallel=self.enable_expert_parallel,
                 replicated_experts=list(self.replicated_experts) if self.replicated_experts else None,
                 distributed_executor_backend=self.distributed_executor_backend,
-                pipeline_micro_batches=self.pipeline_micro_batches, data_parallel_size=self.data_parallel_size),
+                pipeline_micro_batches=self.pipeline_micro_batches, data_parallel_size=self.data_parallel_size,
+                data_parallel_backend=self.data_parallel_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),
         )

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -61,13 +61,22 @@ class AsyncLLM:
         self._dir = tempfile.mkdtemp(prefix="rivulet-")
         self._ctx = zmq.asyncio.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
-        self._to_core.bind(f"ipc://{self._dir}/in")
         self._from_core = self._ctx.socket(zmq.PULL)
-        self._from_core.bind(f"ipc://{self._dir}/out")
-        self._proc = subprocess.Popen([sys.executable, "-m", "rivulet.engine.core_proc", f"ipc://{self._dir}/in",
-                                       f"ipc://{self._dir}/out"], stdin=subprocess.PIPE, text=True)
-        self._proc.stdin.write(config.to_json())  # type: ignore[union-attr]
-        self._proc.stdin.close()  # type: ignore[union-attr]
+        self._proc: Any
+        if config.parallel.data_parallel_backend == "ray":  # the engine is a Ray actor, maybe on another node
+            from rivulet.executor.ray_engine import RayEngineProcess, node_address
+
+            host = node_address()
+            addrs = [f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+                     for sock in (self._to_core, self._from_core)]
+            self._proc = RayEngineProcess(config, *addrs)
+        else:
+            self._to_core.bind(f"ipc://{self._dir}/in")
+            self._from_core.bind(f"ipc://{self._dir}/out")
+            self._proc = subprocess.Popen([sys.executable, "-m", "rivulet.engine.core_proc", f"ipc://{self._dir}/in",
+                                           f"ipc://{self._dir}/out"], stdin=subprocess.PIPE, text=True)
+            self._proc.stdin.write(config.to_json())  # type: ignore[union-attr]
+            self._proc.stdin.close()  # type: ignore[union-attr]
         pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-tokenizer")
         self._tokenizer_future = pool.submit(load_tokenizer, self._source, config.model.tokenizer)
         pool.shutdown(wait=False)

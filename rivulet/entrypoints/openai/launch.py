@@ -135,7 +135,8 @@ async def _start_and_serve(config: EngineConfig, settings: ServerSettings, sock:
         from rivulet.entrypoints.openai.data_parallel import DataParallelEngine, replica_configs
         from rivulet.router.policies import POLICIES
 
-        cpus = sorted(os.sched_getaffinity(0))
+        # mp: each replica pinned to its share of these cores; ray: placed by Ray, on whatever node
+        cpus = sorted(os.sched_getaffinity(0)) if config.parallel.data_parallel_backend == "mp" else []
         engine = DataParallelEngine([SupervisedEngine(c, settings.max_engine_restarts,
                                                       watchdog_s=settings.engine_watchdog_s)
                                      for c in replica_configs(config, n, cpus)], POLICIES[settings.data_parallel_policy]())
