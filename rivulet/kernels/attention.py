@@ -75,31 +75,52 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over the cached context of each sequence (GQA aware)."""
+    """Causal attention of query [T, Hq, D] over the cached context of each sequence (GQA aware).
+    `softcap` > 0 caps the scaled scores s to softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     return torch.ops.rivulet.paged_attention_ref(query, kv_cache, meta.block_tables, meta.query_start_loc,
-                                                 meta.seq_lens, scale, sliding_window or 0)
+                                                 meta.seq_lens, scale, sliding_window or 0, softcap)
 
 
 @torch.library.custom_op("rivulet::paged_attention_ref", mutates_args=())
 def _paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         window: int) -> torch.Tensor:
+                         window: int, softcap: float) -> torch.Tensor:
     out = torch.empty_like(query)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i in range(len(lens)):
         out[qsl[i]:qsl[i + 1]] = sequence_attention(query[qsl[i]:qsl[i + 1]], kv_cache, block_tables[i], lens[i],
-                                                    scale, window or None)
+                                                    scale, window or None, softcap)
     return out
 
 
 @_paged_attention_ref.register_fake
-def _(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, window):
+def _(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, window, softcap):
     return torch.empty_like(query)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale [capped], masked) v over [..., H, L, D] tensors (GQA: k, v with fewer heads).
+    Without a cap this is PyTorch's fused SDPA; with one, the scores are materialised (float32 softmax)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = (q @ k.transpose(-1, -2)).float() * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1).to(v.dtype) @ v
+
+
 def sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                       scale: float, sliding_window: int | None) -> torch.Tensor:
+                       scale: float, sliding_window: int | None, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's query tokens [q_len, Hq, D] (the last of its `seq_len`) over its gathered context."""
     _, _, block_size, hk, d = kv_cache.shape
     q_len = query.shape[0]
@@ -111,13 +132,13 @@ def sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table:
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
-    o = F.scaled_dot_product_attention(
-        query.transpose(0, 1), k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=True)
+    o = attend(query.transpose(0, 1), k.transpose(0, 1).to(query.dtype), v.transpose(0, 1).to(query.dtype), mask,
+               scale, softcap)
     return o.transpose(0, 1)
 
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]
+# (query, kv_cache, metadata, scale, sliding_window, softcap) -> output
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None", float], torch.Tensor]
 
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref}
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rivulet.kernels.activation import silu_and_mul_ref
+from rivulet.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
@@ -41,6 +41,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
                            "cpu": f"{_CPU}:fused_add_rms_norm"},
     "silu_and_mul": {"torch": silu_and_mul_ref, "triton": f"{_TRITON}.activation:silu_and_mul",
                      "cpu": f"{_CPU}:silu_and_mul"},
+    "gelu_tanh_and_mul": {"torch": gelu_tanh_and_mul_ref, "triton": f"{_TRITON}.activation:gelu_tanh_and_mul"},
     "apply_rotary": {"torch": apply_rotary_ref, "triton": f"{_TRITON}.rotary:apply_rotary",
                      "cpu": f"{_CPU}:apply_rotary"},
     "write_kv_cache": {"torch": write_kv_cache_ref, "triton": f"{_TRITON}.kv_cache:write_kv_cache",

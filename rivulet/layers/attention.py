@@ -13,11 +13,12 @@ from rivulet.platforms import current_platform
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int | None = None
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale, self.sliding_window = scale, sliding_window
+        self.scale, self.sliding_window, self.softcap = scale, sliding_window, softcap or 0.0
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.backend = get_attention_backend(current_platform().attention_backend())
         self._write_kv_cache = get_op("write_kv_cache")
@@ -30,4 +31,4 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         self._write_kv_cache(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
                            self.kv_cache, meta.slot_mapping)
-        return self.backend(q, self.kv_cache, meta, self.scale, self.sliding_window).reshape(t, -1)
+        return self.backend(q, self.kv_cache, meta, self.scale, self.sliding_window, self.softcap).reshape(t, -1)

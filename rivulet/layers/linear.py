@@ -101,7 +101,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
         tp = get_parallel_state().tp_size
-        self.head_dim = head_dim
+        self.head_dim, self.total_num_heads, self.total_num_kv_heads = head_dim, num_heads, num_kv_heads
         self.num_heads = _divide(num_heads, tp)
         if tp >= num_kv_heads:
             _divide(tp, num_kv_heads)
@@ -120,8 +120,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        if shard_id is None:
-            raise ValueError("QKVParallelLinear loads q, k and v separately")
+        if shard_id is None:  # an already fused checkpoint tensor (Phi-3)
+            d = self.head_dim
+            parts = loaded.split([self.total_num_heads * d, self.total_num_kv_heads * d, self.total_num_kv_heads * d])
+            for shard, part in zip("qkv", parts):
+                self.weight_loader(param, part, shard)
+            return
         q, kv = self.q_size, self.kv_size
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas

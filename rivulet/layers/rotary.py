@@ -25,6 +25,25 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _longrope_cache(exponents: torch.Tensor, base: float, max_position: int, s: dict[str, Any]) -> torch.Tensor:
+    """Phi-3's LongRoPE: per-frequency divisors, `short_factor` for positions below the pretraining
+    length and `long_factor` beyond it, cos/sin scaled by sqrt(1 + ln(factor) / ln(original length)).
+    Per position, as Hugging Face decodes (it picks one set per forward by the largest position, so a
+    prompt longer than the original length prefilled at once gets the long set for all its tokens)."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_position / original
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def table(ext: list[float]) -> torch.Tensor:
+        return rope_cos_sin_cache(1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), max_position,
+                                  attention_factor)
+
+    short, long = table(s["short_factor"]), table(s["long_factor"])
+    return torch.cat([short[:original], long[original:]])
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -38,14 +57,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.interleaved = interleaved
         self._apply_rotary = get_op("apply_rotary")
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        inv_freq = 1.0 / (base**exponents)
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind in ("longrope", "su"):
+            self.register_buffer("cos_sin_cache", _longrope_cache(exponents, base, max_position, scaling),  # type: ignore[arg-type]
+                                 persistent=False)
+            return
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]  # type: ignore[index]
         elif kind != "default":
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_position), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,15 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True},
     "MixtralForCausalLM": {"norm_topk_prob": True},
+    # Gemma: (1 + weight) norms, embeddings scaled by sqrt(hidden), tied head, norms around attention and MLP
+    "Gemma2ForCausalLM": {"norm_weight_offset": 1.0, "embed_scale": True, "sandwich_norms": True,
+                          "tie_word_embeddings": True},
+    "Gemma3ForCausalLM": {"norm_weight_offset": 1.0, "embed_scale": True, "sandwich_norms": True,
+                          "tie_word_embeddings": True, "qk_norm": True},
 }
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -40,6 +48,15 @@ class ArchConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer: "full_attention" or "sliding_attention"
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers, when it differs
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    norm_weight_offset: float = 0.0  # checkpoint norm weights w mean (offset + w); folded in at load
     # mixture of experts
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -59,6 +76,15 @@ class ArchConfig:
     def is_sparse_layer(self, i: int) -> bool:
         return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: full attention)."""
+        if self.layer_types is not None and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ArchConfig:
         try:
@@ -73,15 +99,31 @@ class ArchConfig:
             raise RivuletError("config.json has no 'architectures' entry")
         arch = archs[0]
         c = {**_ARCH_DEFAULTS.get(arch, {}), **cfg}
-        if c.get("hidden_act", "silu") != "silu":
-            raise RivuletError(f"unsupported activation {c['hidden_act']!r} (only silu)")
+        act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise RivuletError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
         if c.get("mlp_bias"):
             raise RivuletError("MLP biases are not supported")
+        if c.get("use_bidirectional_attention"):
+            raise RivuletError("bidirectional attention (an encoder) is not supported")
         heads = c["num_attention_heads"]
+        layer_types = c.get("layer_types") or _default_layer_types(arch, c)
+        if layer_types is not None and (bad := set(layer_types) - set(LAYER_TYPES)):
+            raise RivuletError(f"unsupported layer types {sorted(bad)} (supported: {', '.join(LAYER_TYPES)})")
         rope = c.get("rope_parameters") or {}
+        local_theta = None
+        if "full_attention" in rope:  # one RoPE per layer type (Gemma 3)
+            local = rope.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise RivuletError("scaled RoPE on sliding-window layers is not supported")
+            local_theta, rope = local.get("rope_theta"), rope["full_attention"]
+        elif c.get("rope_local_base_freq"):
+            local_theta = c["rope_local_base_freq"]
         scaling = dict(rope) if rope else c.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
+        if scaling and "original_max_position_embeddings" not in scaling and c.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]  # Phi-3
         eos = c.get("eos_token_id")
         window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
         return cls(
@@ -103,6 +145,15 @@ class ArchConfig:
             attention_bias=c.get("attention_bias", False),
             qk_norm=c.get("qk_norm", False),
             sliding_window=window,
+            layer_types=list(layer_types) if layer_types is not None else None,
+            local_rope_theta=local_theta,
+            hidden_act=act,
+            query_pre_attn_scalar=c.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=c.get("attn_logit_softcapping"),
+            final_logit_softcapping=c.get("final_logit_softcapping"),
+            sandwich_norms=c.get("sandwich_norms", False),
+            embed_scale=c.get("embed_scale", False),
+            norm_weight_offset=c.get("norm_weight_offset", 0.0),
             num_experts=c.get("num_experts") or c.get("num_local_experts") or 0,
             num_experts_per_tok=c.get("num_experts_per_tok", 0),
             moe_intermediate_size=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
@@ -113,3 +164,13 @@ class ArchConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             torch_dtype=c.get("dtype") or c.get("torch_dtype"),
         )
+
+
+def _default_layer_types(arch: str, c: dict[str, Any]) -> list[str] | None:
+    """Older Gemma configs name the sliding-window layers by a pattern instead of a list."""
+    n = c["num_hidden_layers"]
+    if arch == "Gemma2ForCausalLM":  # even layers slide
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if arch == "Gemma3ForCausalLM" and (p := c.get("sliding_window_pattern")):
+        return ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(n)]
+    return None

@@ -1,7 +1,10 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""The pre-norm decoder of the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3
+(q/k norm), Phi-3 (fused checkpoint projections, LongRoPE) and Gemma 2/3.
 
-A pre-norm decoder: x -> [RMSNorm -> attention] + x -> [RMSNorm -> MLP] + x, with the residual
-add fused into the next norm. The forward pass takes one flat token batch and its attention
+x -> [RMSNorm -> attention] + x -> [RMSNorm -> MLP] + x, with the residual add fused into the next
+norm. What families add is read from the `ArchConfig`, not subclassed: norms after attention and the
+MLP too ("sandwich", Gemma), GeGLU, scaled embeddings, a per-layer sliding window and RoPE base,
+capped attention scores and logits. The forward pass takes one flat token batch and its attention
 metadata; MoE models (moe.py) reuse everything here and swap the MLP.
 """
 
@@ -18,7 +21,7 @@ from rivulet.config import RivuletError
 from rivulet.distributed import get_parallel_state, padded_tokens, pipeline_recv, pipeline_send
 from rivulet.distributed import sequence_parallel_all_gather
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
-from rivulet.layers.activation import SiluAndMul
+from rivulet.layers.activation import ActAndMul
 from rivulet.layers.attention import Attention
 from rivulet.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rivulet.layers.layernorm import RMSNorm
@@ -29,18 +32,18 @@ from rivulet.models.weights import load_named_weights
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
+        self.act = ActAndMul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -50,7 +53,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb  # one module (and cos/sin table) shared by every layer
-        self.attn = Attention(self.qkv_proj.num_heads, d, d**-0.5, self.qkv_proj.num_kv_heads, cfg.sliding_window)
+        self.attn = Attention(self.qkv_proj.num_heads, d, cfg.attention_scale(), self.qkv_proj.num_kv_heads,
+                              cfg.layer_window(layer_idx), cfg.attn_logit_softcapping)
         self.head_dim = d
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -65,15 +69,23 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """With sequence parallelism, `x` and `residual` are this rank's token shard; the norms run on it
-    and the shard is all-gathered before attention and the MLP (whose last linear reduce-scatters)."""
+    and the shard is all-gathered before attention and the MLP (whose last linear reduce-scatters).
 
-    def __init__(self, cfg: ArchConfig, mlp: nn.Module, rotary_emb: RotaryEmbedding) -> None:
+    With sandwich norms (Gemma 2/3) the attention and MLP outputs are normed before their residual
+    add: post_attention_layernorm is that norm of the attention output, pre_feedforward_layernorm
+    the MLP's input norm and post_feedforward_layernorm the norm of its output."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int, mlp: nn.Module, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.parallel = get_parallel_state()
-        self.self_attn = LlamaAttention(cfg, rotary_emb)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -85,10 +97,14 @@ class LlamaDecoderLayer(nn.Module):
         if self.parallel.sp:
             x = sequence_parallel_all_gather(x, self.parallel, positions.shape[0])
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        else:
+            x, residual = self.post_attention_layernorm(x, residual)
         if self.parallel.sp:
             x = sequence_parallel_all_gather(x, self.parallel, positions.shape[0])
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (self.post_feedforward_layernorm(x) if self.sandwich else x), residual
 
 
 class PPMissingLayer(nn.Identity):
@@ -115,10 +131,15 @@ class LlamaModel(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if ps.is_first_stage else None
         d = cfg.head_dim
-        rotary = RotaryEmbedding(d, int(d * cfg.partial_rotary_factor), cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_interleaved, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_mlp(i), rotary)
-                                    if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n))
+        rot_dim = int(d * cfg.partial_rotary_factor)
+        rotary = RotaryEmbedding(d, rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_interleaved,
+                                 cfg.rope_scaling)
+        local = rotary if cfg.local_rope_theta is None else RotaryEmbedding(
+            d, rot_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.rope_interleaved)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, make_mlp(i), local if cfg.layer_window(i) else rotary)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n))
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.embed_scale else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
         self.stage_busy_s = 0.0  # pipeline: this stage's compute time, waiting for the previous stage excluded
 
@@ -161,6 +182,8 @@ class LlamaModel(nn.Module):
         ps = self.parallel
         if received is None:
             x, residual = self.embed_tokens(input_ids), None  # type: ignore[misc]
+            if self.embed_scale is not None:  # rounded to the activation dtype first, as Gemma's checkpoints expect
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         else:
             x, residual = received.unbind(0)
         for layer in self.layers[self.start_layer:self.end_layer]:
@@ -216,14 +239,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
-        return LlamaMLP(self.config.hidden_size, self.config.intermediate_size)
+        return LlamaMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the flat batch."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)  # type: ignore[union-attr]
+        logits = self.lm_head.compute_logits(hidden)  # type: ignore[union-attr]
+        if cap := self.config.final_logit_softcapping:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint tensors this pipeline stage holds (all of them with one stage); a last stage
@@ -245,4 +271,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (Hugging Face names) into the parameters; returns those loaded."""
         tied = self.config.tie_word_embeddings and self.model.embed_tokens is not None
         skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if tied else ())
-        return load_named_weights(self, self.stage_weights(weights), self.stacked_params, skip=skip)
+        weights = self.stage_weights(weights)
+        if offset := self.config.norm_weight_offset:  # Gemma's norms scale by (1 + w): fold the 1 in
+            weights = ((n, t + offset if n.endswith("norm.weight") else t) for n, t in weights)
+        return load_named_weights(self, weights, self.stacked_params, skip=skip)

@@ -24,15 +24,33 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
                                          norm_topk_prob=False, head_dim=16, mlp_only_layers=[1],
                                          tie_word_embeddings=False)),
+    # Gemma: a 12-token window on the sliding layers, 1/sqrt(24) attention scale (head_dim 16), capped
+    # scores and logits (caps low enough to bite on these weights), GeGLU, sandwich and (1 + w) norms
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+    # Phi-3: fused qkv_proj / gate_up_proj tensors; LongRoPE (only its short factors below 64 tokens)
+    "phi3": ("Phi3Config", dict(pad_token_id=0, original_max_position_embeddings=64, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 8 for i in range(8)],
+        long_factor=[2.0 + i for i in range(8)], original_max_position_embeddings=64))),
 }
 
+# softcapping is computed by transformers' eager attention only
+_EAGER = {"gemma2", "gemma3"}
 
-def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | None = None) -> transformers.PreTrainedModel:
-    """Write `kind`'s config + safetensors to `path`; return the transformers model (float32, eval)."""
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | None = None,
+                    **overrides: Any) -> transformers.PreTrainedModel:
+    """Write `kind`'s config (+ `overrides`) and safetensors to `path`; return the transformers model
+    (float32, eval)."""
     cls_name, extra = TINY_CONFIGS[kind]
-    cfg = getattr(transformers, cls_name)(**{**_BASE, **extra})
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **extra, **overrides})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    attn = "eager" if kind in _EAGER else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
     with torch.no_grad():  # random init is ~N(0, 0.02): widen it so logits are far from uniform
         for p in model.parameters():
             if p.dim() > 1:

@@ -72,6 +72,7 @@ def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
         norm.rms_norm(x, x[0], 1e-5)
         norm.fused_add_rms_norm(x, x, x[0], 1e-5)
         activation.silu_and_mul(torch.randn(4, 2 * 14336, dtype=dt))
+        activation.gelu_tanh_and_mul(torch.randn(4, 2 * 9216, dtype=dt))
         cache = torch.randn(2, 40, 16, 8, 128, dtype=dt)
         for interleaved, rot in ((False, 128), (True, 128), (False, 64)):
             inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
@@ -86,6 +87,7 @@ def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
             q = torch.randn(len(meta.slot_mapping), 32, 128, dtype=dt)
             for window in (None, 64):
                 attention.paged_attention(q, cache, meta, 0.088, window)
+            attention.paged_attention(q, cache, meta, 0.0625, 64, 50.0)  # Gemma 2: capped scores
         meta = build_flat_batch([SeqChunk([0] * 9, 3, [0, 1])], 16, cpu).meta  # head_dim 80, GQA 3
         attention.paged_attention(torch.randn(9, 6, 80, dtype=dt), torch.randn(2, 4, 16, 2, 80, dtype=dt), meta, 0.1)
         moe.topk_routing(torch.randn(5, 8, dtype=dt), 2, True)

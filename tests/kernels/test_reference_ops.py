@@ -16,6 +16,7 @@ from rivulet.kernels import (
     topk_routing_ref,
     write_kv_cache_ref,
 )
+from rivulet.kernels.activation import gelu_tanh_and_mul_ref
 from rivulet.kernels.cpu.attention import paged_attention_cpu
 from rivulet.worker.batch import SeqChunk, build_flat_batch
 
@@ -51,15 +52,17 @@ SPECS = [[(0, 7)], [(5, 1)], [(0, 9), (12, 1), (3, 4), (30, 1), (0, 1)], [(8, 1)
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_ref_equals_dense_causal_attention(spec, window):
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (5, 0.0), (None, 0.7), (5, 0.7)])
+def test_paged_attention_ref_equals_dense_causal_attention(spec, window, softcap):
     q, cache, meta, dense = _paged_setup(spec)
-    out = paged_attention_ref(q, cache, meta, 0.25, window)
+    out = paged_attention_ref(q, cache, meta, 0.25, window, softcap)
     qsl = meta.query_start_loc.tolist()
     for i, ((k, v), (n_computed, n_new)) in enumerate(zip(dense, spec)):
         total = n_computed + n_new
         qi = q[qsl[i]:qsl[i + 1]]
         scores = torch.einsum("qhd,khd->hqk", qi, k.repeat_interleave(3, dim=1)) * 0.25
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         qp, kp = torch.arange(n_computed, total)[:, None], torch.arange(total)[None, :]
         allowed = (kp <= qp) & ((qp - kp < window) if window else True)
         p = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
@@ -69,11 +72,11 @@ def test_paged_attention_ref_equals_dense_causal_attention(spec, window):
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 6])
-def test_cpu_backend_matches_reference(spec, dtype, window):
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (6, 0.0), (6, 0.7)])
+def test_cpu_backend_matches_reference(spec, dtype, window, softcap):
     q, cache, meta, _ = _paged_setup(spec, dtype=dtype)
-    want = paged_attention_ref(q, cache, meta, 0.25, window)
-    got = paged_attention_cpu(q, cache, meta, 0.25, window)
+    want = paged_attention_ref(q, cache, meta, 0.25, window, softcap)
+    got = paged_attention_cpu(q, cache, meta, 0.25, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -97,6 +100,13 @@ def test_rms_norm_with_residual():
 def test_silu_and_mul():
     x = _randn(4, 10)
     torch.testing.assert_close(silu_and_mul_ref(x), x[:, :5] * torch.sigmoid(x[:, :5]) * x[:, 5:])
+
+
+def test_gelu_tanh_and_mul():
+    x = _randn(4, 10)
+    g = x[:, :5]
+    want = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * x[:, 5:]
+    torch.testing.assert_close(gelu_tanh_and_mul_ref(x), want)
 
 
 def test_rotary_styles_are_a_permutation_of_each_other():

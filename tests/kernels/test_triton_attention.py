@@ -50,6 +50,16 @@ def test_paged_attention_sliding_window(spec, window):
     close(paged_attention(q, cache, meta, 0.1, window), paged_attention_ref(q, cache, meta, 0.1, window), torch.float32)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("spec", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_paged_attention_softcap(spec, window):
+    """Gemma 2's capped scores: cap * tanh(scores / cap), a cap low enough to change every row."""
+    q, cache, meta = _setup(spec, 4, 2, 64, 16, torch.float32, seed=4)
+    want = paged_attention_ref(q, cache, meta, 0.3, window, 1.5)
+    assert (want - paged_attention_ref(q, cache, meta, 0.3, window)).abs().max() > 1e-2
+    close(paged_attention(q, cache, meta, 0.3, window, 1.5), want, torch.float32)
+
+
 @pytest.mark.parametrize("segments", [1, 4])
 @pytest.mark.parametrize("window", [None, 9])
 def test_split_k_decode(segments, window):

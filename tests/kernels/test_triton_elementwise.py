@@ -1,4 +1,4 @@
-"""Triton RMSNorm (+residual), SiLU-and-mul, rotary embedding and KV-cache write vs their references."""
+"""Triton RMSNorm (+residual), SiLU/GELU-and-mul, rotary embedding and KV-cache write vs their references."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from rivulet.kernels import (
     silu_and_mul_ref,
     write_kv_cache_ref,
 )
+from rivulet.kernels.activation import gelu_tanh_and_mul_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
-from rivulet.kernels.triton.activation import silu_and_mul
+from rivulet.kernels.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from rivulet.kernels.triton.bitmask import apply_token_bitmask
 from rivulet.kernels.triton.kv_cache import write_kv_cache
 from rivulet.kernels.triton.norm import fused_add_rms_norm, rms_norm
@@ -53,6 +54,13 @@ def test_rms_norm_strided_rows():
 def test_silu_and_mul(shape, dtype):
     x = randn(*shape, dtype=dtype, scale=3.0)
     close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 2 * 96), (1, 2 * 1500)])
+def test_gelu_tanh_and_mul(shape, dtype):
+    x = randn(*shape, dtype=dtype, scale=3.0)
+    close(gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.runner import make_runner, teacher_forced_logits
 from helpers.tiny import TINY_CONFIGS, make_tiny_model
+from rivulet.kernels import rope_cos_sin_cache
 from rivulet.worker.batch import SeqChunk
 
 KINDS = sorted(TINY_CONFIGS)
@@ -34,7 +37,7 @@ def test_prefill_chunks_and_decode_match_transformers(kind, tiny_model_dir):
     _assert_close(ours, _reference(hf, ids))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "gemma3"])
 def test_mixed_flat_batch_equals_each_sequence_alone(kind, tiny_model_dir):
     """One step that mixes a first prefill chunk, a middle chunk and two decodes of four sequences."""
     path, hf = tiny_model_dir(kind)
@@ -101,3 +104,77 @@ def test_different_seeds_give_different_models(tmp_path):
     b = make_tiny_model("llama", tmp_path / "b", seed=2)
     ids = list(range(10))
     assert (_reference(a, ids) - _reference(b, ids)).abs().max() > 0.1
+
+
+def _drop_attention_cap(r):
+    for layer in r.model.model.layers:
+        layer.self_attn.attn.softcap = 0.0
+
+
+def _drop_windows(r):
+    for layer in r.model.model.layers:
+        layer.self_attn.attn.sliding_window = None
+
+
+def _drop_logit_cap(r):
+    r.model.config.final_logit_softcapping = None
+
+
+def _plain_scale(r):
+    for layer in r.model.model.layers:
+        layer.self_attn.attn.scale = r.model.config.head_dim**-0.5
+
+
+def _no_embed_scale(r):
+    r.model.model.embed_scale = None
+
+
+def _no_sandwich(r):
+    for layer in r.model.model.layers:
+        layer.sandwich = False
+
+
+@pytest.mark.parametrize("kind,mutate", [
+    ("gemma2", _drop_attention_cap), ("gemma2", _drop_logit_cap), ("gemma2", _drop_windows),
+    ("gemma3", _drop_windows), ("gemma3", _plain_scale), ("gemma3", _no_embed_scale), ("gemma3", _no_sandwich),
+])
+def test_each_gemma_feature_changes_the_logits(kind, mutate, tiny_model_dir):
+    """Guards the alignment tests above: without any one of these features the logits move well past
+    the tolerance, so matching transformers means each is applied."""
+    path, hf = tiny_model_dir(kind)
+    r = make_runner(path)
+    mutate(r)
+    ids = list(range(100, 140))
+    ours = teacher_forced_logits(r, ids, chunks=[40], blocks=list(range(12)))
+    ref = _reference(hf, ids)
+    assert (ours - ref).abs().max() > 1e-2 * ref.abs().max()
+
+
+def test_phi3_longrope_switches_to_long_factors_past_the_original_length(tmp_path):
+    """A 30-token prompt (short factors) decoded to 40 tokens, past the original 32: transformers picks
+    the long factors once the sequence is longer than 32, so the last 8 positions use them."""
+    hf = make_tiny_model("phi3", tmp_path, original_max_position_embeddings=32, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 8 for i in range(8)],
+        long_factor=[2.0 + i for i in range(8)], original_max_position_embeddings=32))
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = teacher_forced_logits(make_runner(tmp_path), ids, chunks=[17, 13], blocks=list(range(12)))
+    with torch.no_grad():  # transformers decoding token by token after a 30-token prefill
+        out = hf(torch.tensor([ids[:30]]), use_cache=True)
+        ref, cache = [out.logits[0]], out.past_key_values
+        for i in range(30, 40):
+            out = hf(torch.tensor([[ids[i]]]), cache=cache, use_cache=True)
+            ref.append(out.logits[0])
+    _assert_close(ours, torch.cat(ref).float())
+    short_only = make_runner(tmp_path)  # the same model without the switch is far off at positions >= 32
+    rot = short_only.model.model.layers[0].self_attn.rotary_emb
+    rot.cos_sin_cache[32:] = rope_short_table(rot.cos_sin_cache.shape[0], [1.0 + i / 8 for i in range(8)])[32:]
+    wrong = teacher_forced_logits(short_only, ids, chunks=[17, 13], blocks=list(range(12)))
+    ref = torch.cat(ref).float()
+    assert (wrong[32:] - ref[32:]).abs().max() > 1e-2 * ref.abs().max()
+
+
+def rope_short_table(n: int, short_factor: list[float]) -> torch.Tensor:
+    """Phi-3's cos/sin table with the short factors at every position (head_dim 16, factor 256/32 = 8)."""
+    exponents = torch.arange(0, 16, 2).float() / 16
+    mscale = math.sqrt(1 + math.log(8) / math.log(32))
+    return rope_cos_sin_cache(1.0 / (torch.tensor(short_factor) * 10000.0**exponents), n, mscale)

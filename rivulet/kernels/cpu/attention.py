@@ -9,6 +9,8 @@ Without the C++ build (or bf16 without AVX512-BF16) decodes are one SDPA over th
 padded to the longest context, and each prefill chunk one SDPA over its gathered context, in the
 4-D layout that PyTorch's fused CPU kernel (flash attention) takes (a 3-D call falls back to the
 unfused math path, about 15x slower at 1k tokens). A chunk that starts at position 0 needs no mask.
+Capped scores (Gemma 2's attention soft-capping) always take these SDPA paths, with the scores
+materialised (`kernels.attention.attend`): the C++ kernels do not cap.
 
 Which sequences decode is planned once per step (`plan_attention_cpu`) as tensors in the metadata;
 every call below is a dispatcher op, so a compiled model records them as they are.
@@ -19,9 +21,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
-from rivulet.kernels.attention import AttentionMetadata, BatchLayout
+from rivulet.kernels.attention import AttentionMetadata, BatchLayout, attend
 from rivulet.kernels.cpu import load_cpu_ext
 
 _PLAN_KEYS = ("cpu_decode_rows", "cpu_decode_seqs", "cpu_prefill_seqs")
@@ -49,32 +50,34 @@ def paged_attention_cpu(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the paged cache: decodes in one call, prefill chunks in
-    one more (or one SDPA each without the kernel)."""
+    one more (or one SDPA each without the kernel; capped scores, Gemma 2, always take that path)."""
     if _PLAN_KEYS[0] not in meta.plan:  # hand-made metadata (tests): plan it now
         meta.plan.update(plan_attention_cpu(meta.layout()))
     rows, seqs, prefill = (meta.plan[k] for k in _PLAN_KEYS)
     window = sliding_window or 0
     out = torch.empty_like(query)
-    if DECODE_KERNEL and query.dtype == kv_cache.dtype and query.dtype in (torch.float32, torch.bfloat16):
+    if DECODE_KERNEL and not softcap and query.dtype == kv_cache.dtype and query.dtype in (torch.float32, torch.bfloat16):
         torch.ops.rivulet.decode_attention.default(query, kv_cache, meta.block_tables, meta.seq_lens, rows, seqs,
                                                    out, scale, window)
     else:
         torch.ops.rivulet.cpu_sdpa_decode(query, kv_cache, meta.block_tables, meta.seq_lens, rows, seqs, out, scale,
-                                          window)
-    if prefill_kernel(query, kv_cache):
+                                          window, softcap)
+    if not softcap and prefill_kernel(query, kv_cache):
         torch.ops.rivulet.prefill_attention.default(query, kv_cache, meta.block_tables, meta.query_start_loc,
                                                     meta.seq_lens, prefill, out, scale, window)
     else:
         torch.ops.rivulet.cpu_sdpa_prefill(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                           prefill, out, scale, window)
+                                           prefill, out, scale, window, softcap)
     return out
 
 
 @torch.library.custom_op("rivulet::cpu_sdpa_decode", mutates_args=("out",))
 def _sdpa_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 rows: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor, scale: float, window: int) -> None:
+                 rows: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor, scale: float, window: int,
+                 softcap: float) -> None:
     """Decode tokens without the kernel: one SDPA over their gathered pages, padded to the longest."""
     s = rows.shape[0]
     if s == 0:
@@ -90,34 +93,34 @@ def _sdpa_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     pages = kv_cache.view(2, num_blocks, -1)
     k = torch.index_select(pages[0], 0, block_ids).view(s, -1, hk, d).transpose(1, 2)
     v = torch.index_select(pages[1], 0, block_ids).view(s, -1, hk, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(query[rows][:, :, None, :], k.to(query.dtype), v.to(query.dtype),
-                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    o = attend(query[rows][:, :, None, :], k.to(query.dtype), v.to(query.dtype), mask[:, None, None, :], scale,
+               softcap)
     out[rows] = o[:, :, 0, :]
 
 
 @torch.library.custom_op("rivulet::cpu_sdpa_prefill", mutates_args=("out",))
 def _sdpa_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor,
-                  scale: float, window: int) -> None:
+                  scale: float, window: int, softcap: float) -> None:
     """Each prefill chunk without the kernel: one fused SDPA over its gathered context."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i in seqs.tolist():
         out[qsl[i]:qsl[i + 1]] = prefill_attention(query[qsl[i]:qsl[i + 1]], kv_cache, block_tables[i], lens[i],
-                                                   scale, window or None)
+                                                   scale, window or None, softcap)
 
 
 @_sdpa_decode.register_fake
-def _(query, kv_cache, block_tables, seq_lens, rows, seqs, out, scale, window) -> None:
+def _(query, kv_cache, block_tables, seq_lens, rows, seqs, out, scale, window, softcap) -> None:
     return None
 
 
 @_sdpa_prefill.register_fake
-def _(query, kv_cache, block_tables, query_start_loc, seq_lens, seqs, out, scale, window) -> None:
+def _(query, kv_cache, block_tables, query_start_loc, seq_lens, seqs, out, scale, window, softcap) -> None:
     return None
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                      scale: float, sliding_window: int | None) -> torch.Tensor:
+                      scale: float, sliding_window: int | None, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's query tokens [q_len, Hq, D] over its gathered context, by the fused SDPA kernel."""
     _, _, block_size, hk, d = kv_cache.shape
     q_len = query.shape[0]
@@ -132,8 +135,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= q_pos - k_pos < sliding_window
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
-                                       scale=scale, enable_gqa=True)
+    o = attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, is_causal=mask is None)
     return o[0].transpose(0, 1)
 
 

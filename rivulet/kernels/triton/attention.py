@@ -48,12 +48,12 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seg_acc_ptr, seg_ml_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    num_seqs, scale_log2, window, block_size,
+    num_seqs, scale_log2, softcap, window, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    SLIDING: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,6 +98,8 @@ def _paged_attention_kernel(
             kv_off = block.to(tl.int64) * stride_kb + (k_pos % block_size) * stride_ks + kv_head * stride_kh
             k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
             s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+            if SOFTCAP:  # cap * tanh(scores / cap), tanh(z) = 2 sigmoid(2z) - 1, in the log2 domain
+                s = (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * softcap
             allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
             if SLIDING:
                 allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
@@ -160,10 +162,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float = 0.0,
     num_segments: int | None = None,
 ) -> torch.Tensor:
     """Same as `paged_attention_ref`: causal attention of query [T, Hq, D] over each sequence's
-    cached context (GQA, optional sliding window) -> [T, Hq, D].
+    cached context (GQA, optional sliding window and score cap) -> [T, Hq, D].
 
     `num_segments` (a power of 2) overrides the split-K choice for decode-only batches; tests use it."""
     if query.stride(-1) != 1:
@@ -200,11 +203,11 @@ def paged_attention(
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, seg_acc, seg_ml,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_seqs, scale * _LOG2E, sliding_window or 0, block_size,
+        num_seqs, scale * _LOG2E, softcap * _LOG2E, sliding_window or 0, block_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        SLIDING=sliding_window is not None, NUM_SEGMENTS=segments,
+        SLIDING=sliding_window is not None, SOFTCAP=bool(softcap), NUM_SEGMENTS=segments,
         DOT_PRECISION="ieee" if fp32 else "tf32", num_warps=warps,
     )
     if segments > 1:
