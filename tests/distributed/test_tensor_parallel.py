@@ -21,6 +21,8 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     ("llama", 2),              # 4 heads, 2 KV heads: one KV head per rank
     ("llama3-rope-tied", 2),   # 1 KV head: replicated on both ranks; tied embeddings split by vocab
     ("qwen3-moe", 2),          # experts' intermediate dimension split, q/k norm
+    ("phi3", 2),               # fused checkpoint qkv_proj / gate_up_proj split per rank
+    ("gemma2", 2),             # capped scores and logits, sandwich norms, alternating windows
 ])
 def test_tiny_models_tp_equals_single_rank(kind, tp, tiny_model_dir):
     path, _ = tiny_model_dir(kind)
