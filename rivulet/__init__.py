@@ -1,6 +1,7 @@
 """Rivulet: an LLM inference engine and OpenAI-compatible serving system."""
 
 from rivulet.config import RivuletError
+from rivulet.lora_request import LoRARequest
 from rivulet.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -14,4 +15,4 @@ def __getattr__(name: str):  # LLM imports torch and transformers: load it on fi
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "RivuletError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "RivuletError", "SamplingParams", "__version__"]

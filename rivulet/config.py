@@ -178,12 +178,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora): `max_loras` adapters resident at once, each in a slot of
+    preallocated weights (so at most that many different adapters in one batch); ranks up to `max_lora_rank`."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise RivuletError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA adapters disabled
 
     def to_json(self) -> str:
         """The whole configuration as JSON, to hand it to another process."""
@@ -192,6 +208,7 @@ class EngineConfig:
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:
         d = json.loads(text)
-        spec = d.get("speculative")
+        spec, lora = d.get("speculative"), d.get("lora")
         return cls(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
-                   ParallelConfig(**d["parallel"]), SpeculativeConfig(**spec) if spec else None)
+                   ParallelConfig(**d["parallel"]), SpeculativeConfig(**spec) if spec else None,
+                   LoRAConfig(**lora) if lora else None)

@@ -13,11 +13,14 @@ from rivulet.core.request import Request
 KEY_VERSION = b"rivulet-kv-1"
 
 
-def root_key(namespace: bytes = b"", cache_salt: str | None = None) -> bytes:
+def root_key(namespace: bytes = b"", cache_salt: str | None = None, adapter: str | None = None) -> bytes:
     """The parent key of a request's first block: the cache's ``namespace`` (the model's identity, so
-    two models never share a key) and the request's ``cache_salt`` (tenants with different salts never
-    hit each other's blocks, so none can probe what another has cached)."""
+    two models never share a key), the request's ``cache_salt`` (tenants with different salts never
+    hit each other's blocks, so none can probe what another has cached) and its LoRA ``adapter``'s
+    identity (an adapter changes every layer's keys and values)."""
     salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode()
+    if adapter is not None:
+        salt += b"\x02" + adapter.encode()
     return hashlib.sha256(KEY_VERSION + b"\x00" + namespace + b"\x00" + salt).digest()
 
 
@@ -173,5 +176,5 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else root_key(self.namespace, request.cache_salt)
+            parent = hashes[-1] if hashes else root_key(self.namespace, request.cache_salt, request.adapter_key)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rivulet.lora_request import LoRARequest  # a leaf module
 from rivulet.sampling_params import SamplingParams  # a leaf module: carried, never read, by the scheduler
 
 
@@ -25,6 +26,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams | None = None
+    lora: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass

@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from rivulet.lora_request import LoRARequest
+
 
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life; every value after WAITING_FOR_KV is final."""
@@ -58,7 +60,8 @@ class Request:
     are draft tokens to verify in the next step (set by a proposer, consumed by schedule()).
     ``block_hashes`` is filled by the KV cache manager: the chained key of each
     full block of ``all_token_ids`` (tokens never change, so neither do keys); ``cache_salt``
-    enters the first key, so only requests with the same salt share cached blocks.
+    enters the first key, so only requests with the same salt share cached blocks; so does the
+    ``lora`` adapter's identity (None: the base model).
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Request:
         sampling_params: Any = None,
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -87,6 +91,7 @@ class Request:
         # off when every prompt position must be computed (e.g. prompt logprobs are wanted)
         self.use_prefix_cache = use_prefix_cache
         self.cache_salt = cache_salt
+        self.lora = lora
 
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -102,6 +107,12 @@ class Request:
         self.skip_kv_tier = False  # a load from the KV tier failed: compute the rest
         self.block_hashes: list[bytes] = []
         self._seq = next(_arrival_counter)  # breaks ties between equal arrival times
+
+    @property
+    def adapter_key(self) -> str | None:
+        """The LoRA adapter's identity in block keys (None: the base model)."""
+        lora = self.lora
+        return None if lora is None else f"{lora.lora_int_id}|{lora.lora_path}|{lora.fingerprint}"
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

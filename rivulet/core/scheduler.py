@@ -45,7 +45,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 num_lookahead_tokens: int = 0, kv_tier: KVTier | None = None) -> None:
+                 num_lookahead_tokens: int = 0, kv_tier: KVTier | None = None, max_loras: int = 0) -> None:
         cfg = scheduler_config
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(cfg, name) < 1:
@@ -54,6 +54,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         # blocks beyond a sampling step's tokens, where a draft model writes its guesses (its k drafts)
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_loras = max_loras  # LoRA: different adapters among running requests at most (their slots)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = RequestQueue()  # WAITING and PREEMPTED
         self.running = RequestQueue()  # RUNNING: holds blocks
@@ -239,6 +240,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token still in flight: it arrives first
                 break
+            if req.lora is not None and not self._adapter_fits(req.lora.lora_int_id):
+                break  # every adapter slot is held by running requests: the head waits for one
             if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
                 self.waiting.pop_front()
                 self._fail_too_big(req, req.num_tokens)
@@ -264,12 +267,17 @@ class Scheduler:
             out.new_requests.append(
                 NewRequestData(
                     req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                    kv.get_block_ids(req.request_id), num_hit, req.sampling_params,
+                    kv.get_block_ids(req.request_id), num_hit, req.sampling_params, req.lora,
                 )
             )
             self._scheduled(req, num_new, 0, out)
             budget -= num_new
         return budget
+
+    def _adapter_fits(self, lora_id: int) -> bool:
+        running = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        running |= {r.lora.lora_int_id for r in self.loading.values() if r.lora is not None}
+        return lora_id in running or len(running) < self.max_loras
 
     # ---- the KV tier ----
 

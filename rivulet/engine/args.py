@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from rivulet.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RivuletError, SchedulerConfig,
-                            SpeculativeConfig)
+from rivulet.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, RivuletError,
+                            SchedulerConfig, SpeculativeConfig)
 
 
 def _opt(help: str, **cli: Any) -> Any:
@@ -71,6 +71,11 @@ class EngineArgs:
         "worker processes on this machine (mp, default) or Ray actors (ray)", choices=["mp", "ray"]))
     pipeline_micro_batches: int | None = field(default=None, metadata=_opt(
         "with PP: micro-batches per step in flight through the stages (default: 1)"))
+    enable_lora: bool = field(default=False, metadata=_opt(
+        "serve LoRA adapters (PEFT folders) beside the base model: --lora-modules, or a request's LoRARequest"))
+    max_loras: int = field(default=1, metadata=_opt(
+        "with --enable-lora: adapters resident at once (and so in one batch at most)"))
+    max_lora_rank: int = field(default=16, metadata=_opt("with --enable-lora: the highest adapter rank accepted"))
     speculative_config: dict | str | None = field(default=None, metadata=_opt(
         "speculative decoding as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
         "\"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 4}'", type=str))
@@ -132,4 +137,5 @@ class EngineArgs:
                 pipeline_micro_batches=self.pipeline_micro_batches, data_parallel_size=self.data_parallel_size,
                 data_parallel_backend=self.data_parallel_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank) if self.enable_lora else None,
         )

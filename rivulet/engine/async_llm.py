@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from rivulet.config import EngineConfig, RivuletError
+from rivulet.lora_request import LoRARequest
 from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Outputs, Ready, Shutdown, Stats, Stop,
                                      encode, from_core_decoder)
 from rivulet.engine.outputs import ModelInfo, RequestOutput
@@ -58,6 +59,7 @@ class AsyncLLM:
         self = cls()
         self.spawned_at = time.monotonic()
         self._source = resolve_model(config.model.model)
+        self.lora_config = config.lora
         self._dir = tempfile.mkdtemp(prefix="rivulet-")
         self._ctx = zmq.asyncio.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -92,7 +94,7 @@ class AsyncLLM:
             raise
         info.eos_token_ids |= eos_token_ids(self._source, [], self.tokenizer)
         self.model_info: ModelInfo = info
-        self.processor = RequestProcessor(self.tokenizer, info)
+        self.processor = RequestProcessor(self.tokenizer, info, lora=self.lora_config)
         self.last_message_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_process())]
         return self
@@ -127,11 +129,11 @@ class AsyncLLM:
     # ---- requests ----
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative snapshots of the request's output; the last has `finished` True."""
         if self._dead:
             raise EngineDeadError(self._dead)
-        core_requests = self.processor.make_requests(request_id, prompt, params, priority)  # RivuletError
+        core_requests = self.processor.make_requests(request_id, prompt, params, priority, lora_request)  # RivuletError
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False

@@ -104,7 +104,8 @@ class EngineCore:
         spec = config.speculative
         # a draft model writes its guesses after a sampling step's tokens: room for them
         lookahead = spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, lookahead, tier)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, lookahead, tier,
+                                   config.lora.max_loras if config.lora else 0)
         # the tokenizer lives with the front end; the config files give the end-of-sequence ids here
         self.eos_token_ids = eos_token_ids(source, arch.eos_token_ids, None)
         self.executor.set_eos_token_ids(self.eos_token_ids)

@@ -11,6 +11,7 @@ from rivulet.engine.args import EngineArgs
 from rivulet.engine.llm_engine import LLMEngine
 from rivulet.engine.processor import PromptType
 from rivulet.engine.outputs import RequestOutput
+from rivulet.lora_request import LoRARequest
 from rivulet.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -37,8 +38,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs in the order of the prompts."""
+        """Run every prompt to completion, batched; outputs in the order of the prompts. `lora_request`:
+        one LoRA adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -48,10 +51,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self.engine.add_request(None, p, sp, priority[i] if priority else 0))
+                ids.append(self.engine.add_request(None, p, sp, priority[i] if priority else 0, loras[i]))
         except Exception:
             for rid in ids:  # leave the engine as it was
                 self.engine.abort_request(rid)

@@ -10,6 +10,7 @@ from rivulet.engine.core import EngineCore
 from rivulet.engine.outputs import RequestOutput
 from rivulet.engine.processor import ModelInfo, PromptType, RequestProcessor
 from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
+from rivulet.lora_request import LoRARequest
 from rivulet.models.loader import resolve_model
 from rivulet.sampling_params import SamplingParams
 
@@ -22,14 +23,15 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
         info = self.core.model_info()
         info.eos_token_ids |= eos_token_ids(self.source, [], self.tokenizer)
-        self.processor = RequestProcessor(self.tokenizer, info, check_grammars=True)
+        self.processor = RequestProcessor(self.tokenizer, info, check_grammars=True, lora=config.lora)
         self._ids = itertools.count()
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request; raises RivuletError (a ValueError) on bad input."""
         request_id = request_id or f"req-{next(self._ids)}"
-        for req in self.processor.make_requests(request_id, prompt, params or SamplingParams(), priority):
+        for req in self.processor.make_requests(request_id, prompt, params or SamplingParams(), priority,
+                                                lora_request):
             self.core.add_request(req)
         return request_id
 

@@ -11,10 +11,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 
-from rivulet.config import RivuletError
+from rivulet.config import LoRAConfig, RivuletError
 from rivulet.core import Request
 from rivulet.engine.detokenizer import IncrementalDetokenizer
 from rivulet.engine.outputs import CompletionOutput, Logprob, ModelInfo, PositionLogprobs, RequestOutput, StepOutput
+from rivulet.lora_request import LoRARequest
+from rivulet.models.loader.peft import read_adapter
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker.outputs import TokenLogprobs
 
@@ -35,8 +37,10 @@ class _Sample:
 
 class RequestProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, info: ModelInfo,
-                 check_grammars: bool = False) -> None:
+                 check_grammars: bool = False, lora: LoRAConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.lora_config = lora
+        self._adapters: dict[int, LoRARequest] = {}  # adapter id -> the adapter checked under it
         # parse structured-output grammars here (in-process engines; xgrammar loads torch), else the core does
         self.check_grammars = check_grammars
         self.vocab_size = info.vocab_size
@@ -63,8 +67,21 @@ class RequestProcessor:
             raise RivuletError("this model has no tokenizer: give prompts as token ids")
         return text, self.tokenizer(text).input_ids
 
+    def check_adapter(self, lora: LoRARequest) -> LoRARequest:
+        """`lora` with its fingerprint, its files checked (once per id: an id names one adapter's files)."""
+        if self.lora_config is None:
+            raise RivuletError(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is off: start with --enable-lora")
+        known = self._adapters.get(lora.lora_int_id)
+        if known is not None and known.lora_path == lora.lora_path:
+            return replace(lora, fingerprint=known.fingerprint)
+        info = read_adapter(lora.lora_path, self.lora_config.max_lora_rank)
+        weights = (info.path / "adapter_model.safetensors").stat()
+        checked = replace(lora, fingerprint=f"{weights.st_size}-{weights.st_mtime_ns}")
+        self._adapters[lora.lora_int_id] = checked
+        return checked
+
     def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      priority: int = 0) -> list[Request]:
+                      priority: int = 0, lora: LoRARequest | None = None) -> list[Request]:
         """Validate and register a request; returns the core requests to queue (one per sample).
         Raises RivuletError (a ValueError) on bad input, registering nothing."""
         if request_id in self.requests:
@@ -74,6 +91,8 @@ class RequestProcessor:
         if salt is not None and not (isinstance(salt, str) and salt):
             raise RivuletError(f"cache_salt must be a non-empty string, not {salt!r}")
         self._validate(ids, params)
+        if lora is not None:
+            lora = self.check_adapter(lora)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self.requests[request_id] = RequestOutput(request_id, text, ids, outputs,
@@ -90,7 +109,7 @@ class RequestProcessor:
             core_requests.append(Request(
                 cid, ids, max_tokens, () if p.ignore_eos and not so else self.eos_token_ids, p.stop_token_ids or (),
                 p.min_tokens, priority, sampling_params=p, use_prefix_cache=p.prompt_logprobs is None,
-                cache_salt=salt))
+                cache_salt=salt, lora=lora))
         return core_requests
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:

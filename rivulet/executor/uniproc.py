@@ -14,7 +14,7 @@ from rivulet.worker.outputs import ModelRunnerOutput
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         set_parallel_state(ParallelState())  # one rank, whatever another engine in this process uses
-        self.runner = ModelRunner(config.model, config.cache, source, config.speculative)
+        self.runner = ModelRunner(config.model, config.cache, source, config.speculative, config.lora)
 
     @property
     def arch_config(self) -> ArchConfig:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from rivulet.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
+from rivulet.kernels.lora import add_lora_ref
 from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, fp8_linear_ref, int4_linear_ref, int8_linear_ref,
@@ -56,6 +57,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     # a backend's own weight layout for dense linears (None: keep the plain [N, K] weight)
     "pack_linear_weight": {"torch": pack_linear_weight_ref, "cpu": f"{_CPU}:pack_linear_weight"},
     "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
+    "add_lora": {"torch": add_lora_ref},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

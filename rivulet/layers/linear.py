@@ -15,6 +15,7 @@ from torch import nn
 
 from rivulet.distributed import (get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce,
                                  tensor_parallel_reduce_scatter)
+from rivulet.layers.lora import LoRASlots
 
 
 def _divide(a: int, b: int) -> int:
@@ -33,6 +34,7 @@ class LinearBase(nn.Module):
     quantizable = True  # layers.quantization may give it a compact weight copy
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = input_size, output_size  # this rank's (a packed weight's shape differs)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -41,13 +43,16 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.quant: Callable[..., torch.Tensor] | None = None  # set by layers.quantization after loading (compact or packed weight)
+        self.lora: LoRASlots | None = None  # adapter weights, when LoRA serving is on (worker/lora.py)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) through the quantized or prepacked weight when there is one."""
-        return F.linear(x, self.weight, bias) if self.quant is None else self.quant(x, self.weight, bias)
+        """x W^T (+ bias) through the quantized or prepacked weight when there is one, plus the LoRA
+        deltas of the step's adapters (before a row-parallel layer's reduction, which sums them too)."""
+        y = F.linear(x, self.weight, bias) if self.quant is None else self.quant(x, self.weight, bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

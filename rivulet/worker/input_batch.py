@@ -45,6 +45,7 @@ class InputBatch:
         self.num_computed = np.zeros(capacity, np.int64)  # with KV in the cache before the step
         self.block_table = np.zeros((capacity, max_blocks), np.int32)
         self.num_blocks = np.zeros(capacity, np.int64)
+        self.lora_slot = np.full(capacity, -1, np.int64)  # the row's LoRA adapter slot (-1: the base model)
         self.req_ids: list[str | None] = [None] * capacity
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -86,6 +87,7 @@ class InputBatch:
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row], self.num_prompt[row] = n, new.num_prompt_tokens
         self.num_computed[row], self.num_blocks[row] = new.num_computed_tokens, 0
+        self.lora_slot[row] = -1  # the runner sets the slot of a request with an adapter
         self.block_table[row] = 0  # columns past a row's blocks are padding: block 0, never read
         self._append_blocks(row, new.block_ids)
         params: SamplingParams = new.sampling_params or SamplingParams()
@@ -204,9 +206,10 @@ class InputBatch:
 
     def _grow_rows(self, capacity: int) -> None:
         old = self.capacity
-        for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks"):
+        for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "lora_slot"):
             a = getattr(self, name)
-            setattr(self, name, np.concatenate([a, np.zeros((capacity - old, *a.shape[1:]), a.dtype)]))
+            setattr(self, name, np.concatenate([a, np.full((capacity - old, *a.shape[1:]), -1 if name == "lora_slot" else 0,
+                                                           a.dtype)]))
         self.req_ids += [None] * (capacity - old)
         self._free = list(range(capacity - 1, old - 1, -1)) + self._free
         self.sampling.grow(capacity)

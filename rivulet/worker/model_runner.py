@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from rivulet.compilation import CompiledForward
-from rivulet.config import CacheConfig, ModelConfig, RivuletError, SpeculativeConfig
+from rivulet.config import CacheConfig, LoRAConfig, ModelConfig, RivuletError, SpeculativeConfig
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
@@ -21,6 +21,7 @@ from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
 from rivulet.worker.draft_runner import DraftRunner
 from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.kv_tier import KVTierWorker
+from rivulet.worker.lora import LoRAManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, source: ModelSource,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None) -> None:
         self.platform = current_platform()
         self.device = self.platform.device
         self.dtype = resolve_dtype(model_config.dtype)
@@ -69,6 +70,13 @@ class ModelRunner:
                                 and self.platform.kernel_backend() == self.platform.attention_backend() == "triton"
                                 and get_parallel_state().world_size == 1)
         self.cuda_graphs: DecodeGraphs | None = None
+        self.lora: LoRAManager | None = None
+        if lora is not None:
+            if model_config.compilation_level > 0 or speculative is not None:
+                raise RivuletError("LoRA adapters run with --compilation-level 0 and without speculative decoding "
+                                   "(for now)")
+            self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
+            self.use_cuda_graphs = False  # the adapters' segments change from step to step
         self.forward_fn = self.model  # the compiled forward at --compilation-level 1
         if model_config.compilation_level > 0:
             if get_parallel_state().world_size > 1:
@@ -154,6 +162,8 @@ class ModelRunner:
         """Run a hand-made flat batch; float32 logits of each chunk's last token [num_seqs, vocab]
         (or of every token [T, vocab] with `all_logits`)."""
         batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
+        if self.lora is not None:
+            self.lora.clear_step()
         hidden = self._run_model(batch)
         if not all_logits:
             hidden = hidden[batch.logits_indices]
@@ -175,6 +185,8 @@ class ModelRunner:
         requests that sample (one row each, k + 1 for a request with k draft tokens, in batch order),
         or None when none does. `sample_tokens` must follow before the next step."""
         self.batch.update(out, self.eos_token_ids)
+        if self.lora is not None:
+            self._assign_lora_slots(out)
         if self.drafter is not None:
             self.drafter.update(out)
         self._pending = None
@@ -188,6 +200,8 @@ class ModelRunner:
                 tier.save(out.kv_saves)
             return None
         step = self.batch.prepare(out)
+        if self.lora is not None:
+            self.lora.plan(np.repeat(self.batch.lora_slot[step.rows], np.diff(step.query_start)))
         hidden = self._run_model(step.flat)
         if tier is not None and out.kv_saves:  # the blocks this step computed, before a later step reuses them
             tier.save(out.kv_saves)
@@ -196,6 +210,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.flat.logits_indices]) if step.sample.any() else None
         self._pending = (step, hidden, logits)
         return logits
+
+    def _assign_lora_slots(self, out: SchedulerOutput) -> None:
+        """Each new request's adapter slot (its adapter loaded into one if it is not resident)."""
+        assert self.lora is not None
+        batch = self.batch
+        for new in out.new_requests:
+            if new.lora is not None:
+                in_use = {int(s) for s in batch.lora_slot[list(batch.row_of.values())] if s >= 0}
+                batch.lora_slot[batch.row_of[new.request_id]] = self.lora.slot_for(new.lora, in_use)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:

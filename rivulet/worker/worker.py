@@ -42,7 +42,7 @@ class Worker:
                                       expert_parallel=pc.enable_expert_parallel,
                                       replicated_experts=tuple(pc.replicated_experts or ()),
                                       pp_micro_batches=pc.pipeline_micro_batches)
-        self.runner = ModelRunner(config.model, config.cache, source, config.speculative)
+        self.runner = ModelRunner(config.model, config.cache, source, config.speculative, config.lora)
         self.step_time_s, self.steps = 0.0, 0
 
     def run(self, command: WorkerCommand) -> Any:

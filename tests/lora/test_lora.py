@@ -1,0 +1,168 @@
+"""Multi-LoRA: adapters written by PEFT on tiny random models; Rivulet's greedy tokens against PEFT's own
+model on the same adapter (float32), with adapters and the base model mixed in one batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+
+from helpers.tiny import make_tiny_model
+from rivulet import LLM, LoRARequest, RivuletError, SamplingParams
+from rivulet.kernels.lora import add_lora_ref
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+# (name, PEFT config): ranks 2-8, different targets, alpha, rsLoRA
+ADAPTERS = {
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
+    "sparse": dict(r=2, lora_alpha=16, target_modules=["v_proj", "up_proj"]),
+}
+
+
+def _write_adapter(base_dir: Path, kind: str, name: str, out: Path, seed: int, **cfg) -> None:
+    hf = make_tiny_model(kind, base_dir)  # the same seed: the same base weights every call
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **cfg), adapter_name=name)
+    with torch.no_grad():  # PEFT's random B is small: widen it so that each adapter changes the tokens
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out / name)
+    if (out / name / name).is_dir():  # PEFT keeps a non-default adapter in a subfolder
+        for f in (out / name / name).iterdir():
+            f.rename(out / name / f.name)
+
+
+def _peft_tokens(base: Path, adapter: Path | None, prompt: list[int], n: int = 10) -> list[int]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, adapter) if adapter is not None else hf
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    make_tiny_model("llama", root / "base")
+    for seed, (name, cfg) in enumerate(ADAPTERS.items(), start=1):
+        _write_adapter(root / "base", "llama", name, root, seed, **cfg)
+    return root
+
+
+def _tokens(llm: LLM, prompts, loras) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_adapters_and_base_mixed_in_one_batch_match_peft(llama_adapters):
+    root = llama_adapters
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 19, 12)]
+    names = [*ADAPTERS, None]
+    want = [_peft_tokens(root / "base", root / n if n else None, p) for n, p in zip(names, prompts)]
+    assert len({tuple(w) for w in want}) == 4
+    loras = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
+    # small steps: prefill chunks of different adapters' requests share steps with decodes
+    llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=3, max_num_batched_tokens=16,
+              block_size=4)
+    try:
+        assert _tokens(llm, prompts, loras) == want
+        # the same prompt under each adapter and the base: no request reads another's cached blocks
+        same = [prompts[1]] * 4
+        assert _tokens(llm, same, loras) == [_peft_tokens(root / "base", root / n if n else None, prompts[1])
+                                             for n in names]
+        # while the same adapter's request does reuse them
+        again = llm.generate({"prompt_token_ids": prompts[1]}, GREEDY, use_tqdm=False, lora_request=loras[1])[0]
+        assert again.num_cached_tokens >= 24 and again.outputs[0].token_ids == want[1]
+    finally:
+        llm.shutdown()
+
+
+def test_more_adapters_than_slots_take_turns(llama_adapters):
+    """One slot, three adapters and the base in one call: requests wait for the slot, adapters are
+    evicted and reloaded, and every output is still its adapter's."""
+    root = llama_adapters
+    prompt = list(range(40, 60))
+    names = [*ADAPTERS, None, "attn"]
+    loras = [LoRARequest(n, list(ADAPTERS).index(n) + 1, str(root / n)) if n else None for n in names]
+    llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=1)
+    try:
+        got = _tokens(llm, [prompt] * len(names), loras)
+    finally:
+        llm.shutdown()
+    assert got == [_peft_tokens(root / "base", root / n if n else None, prompt) for n in names]
+
+
+def test_tensor_parallel_adapter_equals_peft(llama_adapters):
+    """Two ranks: column-parallel layers hold rows of B, row-parallel layers columns of A."""
+    root = llama_adapters
+    prompt = list(range(3, 23))
+    loras = [LoRARequest(n, i + 1, str(root / n)) for i, n in enumerate(ADAPTERS)]
+    llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=3, tensor_parallel_size=2)
+    try:
+        got = _tokens(llm, [prompt] * 3, loras)
+    finally:
+        llm.shutdown()
+    assert got == [_peft_tokens(root / "base", root / n, prompt) for n in ADAPTERS]
+
+
+def test_phi3_adapter_on_fused_projections(tmp_path):
+    """A Phi-3 adapter targets the checkpoint's fused qkv_proj and gate_up_proj themselves."""
+    _write_adapter(tmp_path / "base", "phi3", "fused", tmp_path, 7, r=4, lora_alpha=8,
+                   target_modules=["qkv_proj", "gate_up_proj", "o_proj"])
+    prompt = list(range(60, 85))
+    llm = LLM(str(tmp_path / "base"), dtype="float32", enable_lora=True)
+    try:
+        got = _tokens(llm, [prompt, prompt], [LoRARequest("fused", 1, str(tmp_path / "fused")), None])
+    finally:
+        llm.shutdown()
+    assert got == [_peft_tokens(tmp_path / "base", tmp_path / "fused", prompt),
+                   _peft_tokens(tmp_path / "base", None, prompt)]
+
+
+def test_bad_adapters_are_clear_errors(llama_adapters, tmp_path):
+    root = llama_adapters
+    base = LLM(str(root / "base"), dtype="float32")
+    with pytest.raises(RivuletError, match="LoRA is off: start with --enable-lora"):
+        base.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("attn", 1, str(root / "attn")))
+    base.shutdown()
+    llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_lora_rank=4)
+    try:
+        with pytest.raises(RivuletError, match="rank 8, more than --max-lora-rank 4"):
+            llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("mlp", 2, str(root / "mlp")))
+        with pytest.raises(RivuletError, match="need adapter_config.json and adapter_model.safetensors"):
+            llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("none", 5, str(tmp_path)))
+        dora = tmp_path / "dora"
+        dora.mkdir()
+        cfg = json.loads((root / "attn" / "adapter_config.json").read_text()) | {"use_dora": True}
+        (dora / "adapter_config.json").write_text(json.dumps(cfg))
+        (dora / "adapter_model.safetensors").write_bytes((root / "attn" / "adapter_model.safetensors").read_bytes())
+        with pytest.raises(RivuletError, match="unsupported settings use_dora"):
+            llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("dora", 6, str(dora)))
+        assert not llm.engine.has_unfinished_requests()  # nothing half-registered
+    finally:
+        llm.shutdown()
+
+
+def test_segmented_lora_equals_per_token_loop():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 6, 10, generator=g), torch.randn(3, 7, 6, generator=g)
+    x, y = torch.randn(9, 10, generator=g), torch.randn(9, 7, generator=g)
+    slots = [2, -1, 0, 2, 2, -1, 0, 1, 2]
+    rows = {0: 6, 1: 4, 2: 2}  # each slot's adapter uses its first rank rows
+    segments = [(s, torch.tensor([i for i, t in enumerate(slots) if t == s]), rows[s]) for s in (0, 1, 2)]
+    want = y.clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            want[i] += b[s, :, :rows[s]] @ (a[s, :rows[s]] @ x[i])
+    torch.testing.assert_close(add_lora_ref(y.clone(), x, a, b, segments), want)
+    torch.testing.assert_close(add_lora_ref(y.clone(), x, a, b, [(1, None, 4)]), y + x @ a[1, :4].t() @ b[1, :, :4].t())
