@@ -60,6 +60,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="kill and restart an engine that has work but sent nothing for this long")
     p.add_argument("--max-request-bytes", type=int, default=32 << 20,
                    help="answer 413 to request bodies larger than this (default 32 MiB)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters (PEFT folders) served as models of these names, as "
+                        "name=path or JSON {\"name\": ..., \"path\": ...}")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a generation request not done this long after it arrived: 408, or an error event "
                         "ending its stream (default: no limit)")

@@ -4,49 +4,16 @@ model on the same adapter (float32), with adapters and the base model mixed in o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import peft
 import pytest
 import torch
 
+from helpers.lora import ADAPTERS, peft_tokens as _peft_tokens, write_peft_adapter as _write_adapter
 from helpers.tiny import make_tiny_model
 from rivulet import LLM, LoRARequest, RivuletError, SamplingParams
 from rivulet.kernels.lora import add_lora_ref
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-# (name, PEFT config): ranks 2-8, different targets, alpha, rsLoRA
-ADAPTERS = {
-    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "mlp": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
-    "sparse": dict(r=2, lora_alpha=16, target_modules=["v_proj", "up_proj"]),
-}
-
-
-def _write_adapter(base_dir: Path, kind: str, name: str, out: Path, seed: int, **cfg) -> None:
-    hf = make_tiny_model(kind, base_dir)  # the same seed: the same base weights every call
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **cfg), adapter_name=name)
-    with torch.no_grad():  # PEFT's random B is small: widen it so that each adapter changes the tokens
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
-    model.save_pretrained(out / name)
-    if (out / name / name).is_dir():  # PEFT keeps a non-default adapter in a subfolder
-        for f in (out / name / name).iterdir():
-            f.rename(out / name / f.name)
-
-
-def _peft_tokens(base: Path, adapter: Path | None, prompt: list[int], n: int = 10) -> list[int]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(hf, adapter) if adapter is not None else hf
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

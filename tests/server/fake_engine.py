@@ -69,7 +69,8 @@ class FakeEngine:
         self.kill()
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        self.last_lora = lora_request
         if self.dead:
             raise EngineDeadError("the engine process exited")
         text, ids = self.processor.tokenize_prompt(prompt)

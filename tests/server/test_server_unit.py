@@ -308,9 +308,9 @@ def test_reasoning_parser_starts_grammars_after_the_thinking(tokenizer: Any) -> 
     seen: list[SamplingParams] = []
 
     class Recording(FakeEngine):
-        def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0):
+        def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0, lora_request=None):
             seen.append(params)
-            return super().generate(prompt, params, request_id, priority)
+            return super().generate(prompt, params, request_id, priority, lora_request)
 
     end = list(tokenizer("</think>", add_special_tokens=False).input_ids)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "json_object"}}
@@ -341,3 +341,78 @@ def test_data_parallel_replica_configs_and_merged_stats() -> None:
     merged = merge_stats([{"num_running": 2, "kv_cache_usage": 0.5, "kv_tier_block_bytes": 10, "model": "m"},
                           {"num_running": 3, "kv_cache_usage": 0.1, "kv_tier_block_bytes": 10, "model": "m"}])
     assert merged == {"num_running": 5, "kv_cache_usage": 0.3, "kv_tier_block_bytes": 10, "model": "m"}
+
+
+def _adapter(folder: Any, rank: int = 4) -> str:
+    """A PEFT-format adapter folder (q_proj of layer 0) written by hand: what the server checks."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8,
+                                                            "target_modules": ["q_proj"]}))
+    p = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{p}.lora_A.weight": np.zeros((rank, 8), np.float32),
+               f"{p}.lora_B.weight": np.zeros((8, rank), np.float32)}, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def test_lora_adapters_are_models_loaded_and_unloaded_at_run_time(tokenizer: Any, tmp_path: Any) -> None:
+    """--lora-modules and /v1/load_lora_adapter make adapters models (listed with their base as parent);
+    a request naming one reaches the engine with its LoRARequest; unloading makes the name unknown."""
+    engine = FakeEngine(tokenizer, script=[504])
+    app = _app(engine, max_lora_rank=8, lora_modules={"sql": _adapter(tmp_path / "sql")})
+    second, too_big = _adapter(tmp_path / "chat"), _adapter(tmp_path / "big", rank=16)
+
+    async def main() -> None:
+        async with _client(app) as c:
+            cards = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+            assert cards["sql"]["parent"] == "fake" and cards["sql"]["root"] == str(tmp_path / "sql")
+            r = await c.post("/v1/completions", json={"model": "sql", "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "sql"
+            assert engine.last_lora.lora_name == "sql" and engine.last_lora.lora_path == str(tmp_path / "sql")
+            await c.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 1})
+            assert engine.last_lora is None
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": second})
+            assert r.status_code == 200 and "added successfully" in r.text
+            r = await c.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 1,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and engine.last_lora.lora_name == "chat"
+            assert engine.last_lora.lora_int_id != app.state.ctx.adapters["sql"].lora_int_id
+            for body, status, msg in [({"lora_name": "chat", "lora_path": second}, 400, "already been loaded"),
+                                      ({"lora_name": "fake", "lora_path": second}, 400, "already been loaded"),
+                                      ({"lora_name": "big", "lora_path": too_big}, 400, "more than --max-lora-rank 8"),
+                                      ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "adapter_config.json"),
+                                      ({"lora_name": "x"}, 400, "lora_path")]:
+                r = await c.post("/v1/load_lora_adapter", json=body)
+                assert r.status_code == status and msg in r.json()["error"]["message"], (body, r.text)
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+            assert r.status_code == 200 and "removed successfully" in r.text
+            r = await c.post("/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+            assert r.status_code == 404
+            assert "chat" not in {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
+
+    asyncio.run(main())
+    off = _app(FakeEngine(tokenizer, script=[504]))
+
+    async def without_lora() -> None:
+        async with _client(off) as c:
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": second})
+            assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+    asyncio.run(without_lora())
+
+
+def test_lora_modules_flag_forms_and_errors(tmp_path: Any) -> None:
+    from rivulet.config import RivuletError
+    from rivulet.entrypoints.openai.launch import parse_lora_modules
+
+    a, b = _adapter(tmp_path / "a"), _adapter(tmp_path / "b")
+    assert parse_lora_modules([f"x={a}", json.dumps({"name": "y", "path": b})], 8) == {"x": a, "y": b}
+    for specs, rank, msg in [([f"x={a}"], None, "needs --enable-lora"), (["x"], 8, "is not name=path"),
+                             ([f"x={a}", f"x={b}"], 8, "given twice"), (["{\"name\": 1}"], 8, "is not JSON"),
+                             ([f"x={a}"], 2, "more than --max-lora-rank 2")]:
+        with pytest.raises(RivuletError, match=msg):
+            parse_lora_modules(specs, rank)

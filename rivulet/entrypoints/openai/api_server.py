@@ -3,7 +3,8 @@
 
 Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
 ``/detokenize``, ``/health`` (``?generate=1``: a one-token generation), ``/health_generate``, ``/version``,
-``/metrics``. With ``--api-key`` every endpoint but
+``/metrics``; with ``--enable-lora`` also ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (an
+adapter is then a model: ``"model": "<adapter name>"``). With ``--api-key`` every endpoint but
 ``/health``, ``/version``, ``/metrics`` and the OpenAPI docs needs ``Authorization: Bearer KEY``.
 
 Overload: with ``--max-queue Q`` a generation request is answered 503 (``Retry-After``) without
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import rivulet
@@ -39,7 +40,8 @@ from rivulet.entrypoints.openai.engine_client import EngineClient
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
 from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                                 ModelList, TokenizeRequest, TokenizeResponse)
+                                                 LoadLoRAAdapterRequest, ModelList, TokenizeRequest, TokenizeResponse,
+                                                 UnloadLoRAAdapterRequest)
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
@@ -200,11 +202,26 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> ModelCard:
+        lora = ctx.lora_request(name)
+        if lora is not None:  # an adapter: its folder, and the base model it adapts (as vLLM lists them)
+            return ModelCard(id=name, root=lora.lora_path, parent=settings.served_model_names[0],
+                             max_model_len=engine.model_info.max_model_len)
         return ModelCard(id=name, root=settings.model_root, max_model_len=engine.model_info.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> JSONBody:
-        return JSONBody(ModelList(data=[model_card(n) for n in settings.served_model_names]).model_dump())
+        names = [*settings.served_model_names, *ctx.adapters]
+        return JSONBody(ModelList(data=[model_card(n) for n in names]).model_dump())
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        ctx.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        ctx.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard)
     async def get_model(model: str) -> JSONBody:

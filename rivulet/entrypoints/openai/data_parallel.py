@@ -20,6 +20,7 @@ from rivulet.config import EngineConfig
 from rivulet.engine.async_llm import EngineDeadError
 from rivulet.engine.outputs import CompletionOutput, ModelInfo, RequestOutput
 from rivulet.entrypoints.openai.supervisor import SupervisedEngine
+from rivulet.lora_request import LoRARequest
 from rivulet.router.policies import Policy, RouteInput
 from rivulet.router.workers import Worker
 from rivulet.sampling_params import SamplingParams
@@ -103,7 +104,7 @@ class DataParallelEngine:
         return self.workers.index(w)
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         text, original = _route_text(prompt), params
         tried: set[int] = set()
         last: RequestOutput | None = None  # what the client has been given
@@ -118,7 +119,7 @@ class DataParallelEngine:
             rid = request_id if attempt == 0 else f"{request_id}-r{attempt}"
             self.workers[i].in_flight += 1
             try:
-                async for out in self.replicas[i].generate(prompt, params, rid, priority):
+                async for out in self.replicas[i].generate(prompt, params, rid, priority, lora_request):
                     last = out if base is None else _joined(base, out, request_id)
                     yield last
                 return

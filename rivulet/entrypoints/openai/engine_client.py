@@ -6,6 +6,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from rivulet.engine.async_llm import EngineDeadError
 from rivulet.engine.outputs import ModelInfo, RequestOutput
+from rivulet.lora_request import LoRARequest
 from rivulet.sampling_params import SamplingParams
 
 __all__ = ["EngineClient", "EngineDeadError", "PromptProcessor"]
@@ -25,7 +26,7 @@ class EngineClient(Protocol):
     processor: PromptProcessor
 
     def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

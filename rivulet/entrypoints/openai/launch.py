@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rivulet.config import EngineConfig, RivuletError
@@ -47,6 +48,8 @@ class ServerSettings:
     max_request_bytes: int = 32 << 20  # larger bodies get 413
     request_timeout: float | None = None  # seconds from arrival to the last byte; past it 408 (None: no limit)
     data_parallel_policy: str = "cache_aware"  # which replica takes a request (rivulet/router/policies.py)
+    max_lora_rank: int | None = None  # --enable-lora: adapters up to this rank may be served; None: LoRA off
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> PEFT folder
 
     @property
     def admission_limit(self) -> int | None:
@@ -81,6 +84,9 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise RivuletError("--enable-auto-tool-choice needs --tool-call-parser "
                            f"({', '.join(TOOL_CALL_PARSERS)})")
+    modules = parse_lora_modules(a.lora_modules or [], a.max_lora_rank if a.enable_lora else None)
+    if clash := set(modules) & set(a.served_model_name or [a.model]):
+        raise RivuletError(f"--lora-modules: {sorted(clash)[0]!r} is already the base model's name")
     template = a.chat_template
     if template is not None:
         path = Path(template).expanduser()
@@ -96,7 +102,33 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
                           reasoning_parser=a.reasoning_parser, max_engine_restarts=a.max_engine_restarts,
                           engine_watchdog_s=a.engine_watchdog_s, max_request_bytes=a.max_request_bytes,
                           request_timeout=a.request_timeout,
-                          data_parallel_policy=a.data_parallel_policy)
+                          data_parallel_policy=a.data_parallel_policy,
+                          max_lora_rank=a.max_lora_rank if a.enable_lora else None, lora_modules=modules)
+
+
+def parse_lora_modules(specs: list[str], max_rank: int | None) -> dict[str, str]:
+    """--lora-modules entries (name=path, or vLLM's JSON form) -> {name: path}, each adapter checked."""
+    from rivulet.models.loader.peft import read_adapter
+
+    if specs and max_rank is None:
+        raise RivuletError("--lora-modules needs --enable-lora")
+    modules: dict[str, str] = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                name, path = d["name"], d["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise RivuletError(f"--lora-modules: {spec!r} is not JSON with \"name\" and \"path\"") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise RivuletError(f"--lora-modules: {spec!r} is not name=path")
+        if name in modules:
+            raise RivuletError(f"--lora-modules: the name {name!r} is given twice")
+        read_adapter(path, max_rank)  # RivuletError naming what is wrong with it
+        modules[name] = str(Path(path).expanduser().resolve())
+    return modules
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

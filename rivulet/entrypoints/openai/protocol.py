@@ -394,3 +394,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIRequest):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter at ``lora_path`` as model ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    """``POST /v1/unload_lora_adapter`` (vLLM's)."""
+
+    lora_name: str

@@ -16,8 +16,10 @@ frees their KV blocks, and gives the slots back.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.responses import Response
@@ -29,6 +31,8 @@ from rivulet.entrypoints.openai.engine_client import EngineClient, EngineDeadErr
 from rivulet.entrypoints.openai.errors import OpenAIError, dumps, engine_dead_error, error_body
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
+from rivulet.lora_request import LoRARequest
+from rivulet.models.loader.peft import read_adapter
 from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
@@ -46,21 +50,47 @@ class ServerContext:
         self.active = 0  # engine requests admitted and not yet closed
         self.inflight = 0  # HTTP requests being answered (the gate middleware counts them)
         self.draining = False
+        self.adapters: dict[str, LoRARequest] = {}  # LoRA adapters served by name (--lora-modules, runtime loads)
+        self._lora_ids = itertools.count(1)
+        for name, path in settings.lora_modules.items():
+            self.adapters[name] = LoRARequest(name, next(self._lora_ids), path)
 
     # ---- models ----
 
     def model_name(self, requested: str | None) -> str:
-        """The served name a request names (the first one when it names none); 404 if unknown."""
+        """The served name (or LoRA adapter) a request names (the first served name when it names none);
+        404 if unknown."""
         names = self.settings.served_model_names
         if requested is None or requested == "":
             return names[0]
-        if requested not in names:
+        if requested not in names and requested not in self.adapters:
             raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a (checked) model name stands for; None for the base model."""
+        return self.adapters.get(model)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as model `name` (vLLM's /v1/load_lora_adapter); 400 if it cannot be."""
+        if self.settings.max_lora_rank is None:
+            raise OpenAIError(400, "LoRA adapters are off: start the server with --enable-lora", param="lora_name")
+        if not name or not path:
+            raise OpenAIError(400, "lora_name and lora_path are both required", param="lora_name")
+        if name in self.adapters or name in self.settings.served_model_names:
+            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        read_adapter(path, self.settings.max_lora_rank)  # RivuletError: 400 naming the problem
+        self.adapters[name] = LoRARequest(name, next(self._lora_ids), str(Path(path).expanduser().resolve()))
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`; requests already running with it finish with it."""
+        if self.adapters.pop(name, None) is None:
+            raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                              code="model_not_found")
+
     # ---- admission ----
 
-    def open_group(self, count: int) -> RequestGroup:
+    def open_group(self, count: int, lora: LoRARequest | None = None) -> RequestGroup:
         """Reserve ``count`` engine requests, or answer 503 with Retry-After when the queue is full.
         Decided from counters alone: the engine is not asked."""
         limit = self.settings.admission_limit
@@ -73,7 +103,7 @@ class ServerContext:
                                   headers={"Retry-After": str(self.settings.retry_after_s)})
         self.active += count
         timeout = self.settings.request_timeout
-        return RequestGroup(self, count, None if timeout is None else Deadline(timeout))
+        return RequestGroup(self, count, None if timeout is None else Deadline(timeout), lora)
 
     # ---- prompts ----
 
@@ -130,10 +160,12 @@ class Deadline:
 class RequestGroup:
     """The engine requests of one HTTP request; ``aclose()`` aborts what is unfinished and frees the slots."""
 
-    def __init__(self, ctx: ServerContext, slots: int, deadline: Deadline | None = None) -> None:
+    def __init__(self, ctx: ServerContext, slots: int, deadline: Deadline | None = None,
+                 lora: LoRARequest | None = None) -> None:
         self.ctx = ctx
         self.slots = slots
         self.deadline = deadline
+        self.lora = lora  # every request of the group runs with this LoRA adapter (None: the base model)
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.closed = False
 
@@ -144,7 +176,7 @@ class RequestGroup:
     async def _tracked(self, prompt: Any, params: SamplingParams, request_id: str,
                        priority: int) -> AsyncIterator[RequestOutput]:
         tracker = self.ctx.metrics.tracker()
-        gen = self.ctx.engine.generate(prompt, params, request_id, priority)
+        gen = self.ctx.engine.generate(prompt, params, request_id, priority, self.lora)
         try:
             async for out in gen:
                 tracker.observe(out)

@@ -99,7 +99,7 @@ class ChatHandler:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         settings = ctx.settings
         plan = plan_tools(body.tools, body.tool_choice, settings.tool_call_parser is not None)  # RivuletError: 400
-        group = ctx.open_group(1)
+        group = ctx.open_group(1, ctx.lora_request(model))
         handed_over = False
         try:
             args = (ctx.engine.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,

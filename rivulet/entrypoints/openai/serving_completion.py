@@ -48,7 +48,7 @@ class CompletionHandler:
         prompts = body.prompts()
         if not prompts:
             raise OpenAIError(400, "the prompt is empty", param="prompt")
-        group = ctx.open_group(len(prompts))
+        group = ctx.open_group(len(prompts), ctx.lora_request(model))
         handed_over = False
         try:
             items = []

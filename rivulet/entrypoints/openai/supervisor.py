@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable
 from rivulet.config import EngineConfig
 from rivulet.engine.async_llm import AsyncLLM, EngineDeadError
 from rivulet.engine.outputs import ModelInfo, RequestOutput
+from rivulet.lora_request import LoRARequest
 from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
@@ -74,10 +75,10 @@ class SupervisedEngine:
         return self.engine.num_unfinished_requests
 
     def generate(self, prompt: Any, params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         if self.restarting:
             return _fails(EngineDeadError("the engine is restarting"))
-        return self.engine.generate(prompt, params, request_id, priority)
+        return self.engine.generate(prompt, params, request_id, priority, lora_request)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

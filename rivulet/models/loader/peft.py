@@ -54,7 +54,7 @@ def read_adapter(path: str | Path, max_rank: int | None = None) -> AdapterInfo:
     if max_rank is not None and r > max_rank:
         raise RivuletError(f"LoRA adapter {path} has rank {r}, more than --max-lora-rank {max_rank}")
     try:
-        with safe_open(str(weights), "pt") as f:
+        with safe_open(str(weights), "np") as f:  # the header only: no torch needed
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - a corrupt file: any error of the reader
         raise RivuletError(f"LoRA adapter {path}: cannot read adapter_model.safetensors ({e})") from None
