@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -18,6 +19,9 @@ from rivulet.config import RivuletError
 def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id to request (default: the first one /v1/models lists)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: request i names adapter i mod len(NAMES) as its model "
+                        "(vLLM's bench picks one at random)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for exact prompt lengths: 'default', HF folder or .gguf (default: the model id)")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
@@ -183,6 +187,9 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     requests = make_requests(a.dataset, tok, max(counts), a.input_len, a.output_len, range_ratio=a.range_ratio,
                              prompt_format=a.prompt_format, prefix_len=a.prefix_len, dataset_path=a.dataset_path,
                              seed=a.seed, num_prefixes=a.num_prefixes)
+    if a.lora_modules:
+        requests = [dataclasses.replace(r, model=a.lora_modules[i % len(a.lora_modules)])
+                    for i, r in enumerate(requests)]
     eos = sorted({t for t in [tok.eos_token_id] if t is not None}) if a.eos_logit_bias else []
     cfg = ClientConfig(base_url=base_url, model=model, endpoint=a.endpoint, api_key=a.api_key,
                        temperature=a.temperature, ignore_eos=a.ignore_eos, eos_logit_bias=eos,
@@ -200,7 +207,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     result = {"benchmark": "serve", "label": a.label or model, "base_url": base_url, "model": model,
               "endpoint": a.endpoint, "dataset": a.dataset, "input_len": a.input_len, "output_len": a.output_len,
               "range_ratio": a.range_ratio, "prompt_format": a.prompt_format, "num_prompts": a.num_prompts,
-              "ignore_eos": a.ignore_eos, "sweep_over": a.sweep_over if sweep else None,
+              "ignore_eos": a.ignore_eos, "lora_modules": a.lora_modules, "sweep_over": a.sweep_over if sweep else None,
               "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "points": points}
     _write_json(a.result_json, result)
     if a.plot:

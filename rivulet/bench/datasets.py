@@ -27,6 +27,7 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    model: str | None = None  # the model (or LoRA adapter) it names; None: the run's --model
 
 
 def load_bench_tokenizer(spec: str) -> Any:

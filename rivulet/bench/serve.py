@@ -67,7 +67,7 @@ def normalize_base_url(url: str) -> str:
 
 
 def payload(cfg: ClientConfig, req: SampleRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": req.output_len, "temperature": cfg.temperature,
+    body: dict[str, Any] = {"model": req.model or cfg.model, "max_tokens": req.output_len, "temperature": cfg.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.endpoint == "chat":
         if not isinstance(req.prompt, str):

@@ -57,7 +57,8 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     # a backend's own weight layout for dense linears (None: keep the plain [N, K] weight)
     "pack_linear_weight": {"torch": pack_linear_weight_ref, "cpu": f"{_CPU}:pack_linear_weight"},
     "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
-    "add_lora": {"torch": add_lora_ref},
+    "add_lora": {"torch": add_lora_ref, "cpu": f"{_CPU}:add_lora",
+                 "triton": "rivulet.kernels.lora:add_lora_batched"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

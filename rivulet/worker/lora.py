@@ -17,6 +17,7 @@ from torch import nn
 
 from rivulet.config import LoRAConfig, RivuletError
 from rivulet.layers.linear import LinearBase
+from rivulet.kernels.lora import LoRAPlan
 from rivulet.layers.lora import LoRASlots, LoRAStep
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader.peft import adapter_weights, read_adapter
@@ -28,7 +29,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.step = LoRAStep()
-        self.max_rank, self.device = config.max_lora_rank, device
+        self.max_rank, self.device, self.dtype = config.max_lora_rank, device, dtype
         stacked = getattr(model, "stacked_params", [])
         self.fused = {frag: fused for frag, fused, _ in stacked}  # q_proj -> qkv_proj
         self.layers: dict[str, LoRASlots] = {}
@@ -36,7 +37,8 @@ class LoRAManager:
             leaf = name.rsplit(".", 1)[-1]
             if isinstance(module, LinearBase) and leaf in _ADAPTED and ".experts." not in name:
                 slices = [frag for frag, fused, _ in stacked if fused == leaf] or [leaf]
-                module.lora = LoRASlots(module, slices, config.max_loras, config.max_lora_rank, self.step, dtype, device)
+                module.lora = LoRASlots(module, slices, config.max_loras, config.max_lora_rank, self.step, dtype,
+                                        device)
                 self.layers[name] = module.lora
         inner = getattr(model, "model", None)
         self.stage = (getattr(inner, "start_layer", 0), getattr(inner, "end_layer", 1 << 30))
@@ -81,14 +83,27 @@ class LoRAManager:
             layer.set(slot, leaf, a.to(self.device), b.to(self.device))
 
     def plan(self, token_slots: np.ndarray) -> None:
-        """The step's segments from each token's slot (-1: the base model)."""
+        """The step's plan from each token's slot (-1: the base model)."""
         present = np.unique(token_slots)
         present = present[present >= 0]
-        if len(present) == 1 and token_slots[0] == present[0] and (token_slots == present[0]).all():
-            self.step.segments = [(int(present[0]), None)]
+        if len(present) == 0:
+            self.step.plan = None
             return
-        self.step.segments = [(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(self.device))
-                              for s in present.tolist()]
+        k = len(present)
+        slot_ids = None if present[-1] == k - 1 else torch.from_numpy(present).to(self.device)
+        slots_t = torch.from_numpy(np.ascontiguousarray(token_slots)).to(self.device)
+        if k == 1 and (token_slots == present[0]).all():
+            self.step.plan = LoRAPlan(slots_t, present.tolist(), slot_ids, None, None, len(token_slots))
+            return
+        tokens = [np.flatnonzero(token_slots == s) for s in present]
+        n = max(len(t) for t in tokens)
+        gather = np.zeros((k, n), np.int64)
+        valid = np.zeros((k, n, 1), np.float32)
+        for i, t in enumerate(tokens):
+            gather[i, :len(t)], valid[i, :len(t)] = t, 1.0
+        mask = None if valid.all() else torch.from_numpy(valid).to(self.device, self.dtype)
+        self.step.plan = LoRAPlan(slots_t, present.tolist(), slot_ids,
+                                  torch.from_numpy(gather.reshape(-1)).to(self.device), mask, n)
 
     def clear_step(self) -> None:
-        self.step.segments = []
+        self.step.plan = None

@@ -11,7 +11,7 @@ import torch
 from helpers.lora import ADAPTERS, peft_tokens as _peft_tokens, write_peft_adapter as _write_adapter
 from helpers.tiny import make_tiny_model
 from rivulet import LLM, LoRARequest, RivuletError, SamplingParams
-from rivulet.kernels.lora import add_lora_ref
+from rivulet.kernels.lora import LoRAPlan, add_lora_batched, add_lora_ref
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -120,16 +120,46 @@ def test_bad_adapters_are_clear_errors(llama_adapters, tmp_path):
         llm.shutdown()
 
 
-def test_segmented_lora_equals_per_token_loop():
+def _cpu_kernel():
+    from rivulet.kernels.cpu.ops import AVAILABLE, add_lora
+
+    if not AVAILABLE:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    return add_lora
+
+
+@pytest.mark.parametrize("fn", ["batched", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_ops_equal_the_reference(fn, dtype):
+    """Three adapters (slots 2, 0, 3 of 4: gathered weights) with 4, 2 and 1 tokens (padding masked), base
+    tokens between them; and one adapter taking the whole step. The reference is checked against a
+    per-token loop first."""
+    fn = add_lora_batched if fn == "batched" else _cpu_kernel()
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(3, 6, 10, generator=g), torch.randn(3, 7, 6, generator=g)
-    x, y = torch.randn(9, 10, generator=g), torch.randn(9, 7, generator=g)
-    slots = [2, -1, 0, 2, 2, -1, 0, 1, 2]
-    rows = {0: 6, 1: 4, 2: 2}  # each slot's adapter uses its first rank rows
-    segments = [(s, torch.tensor([i for i, t in enumerate(slots) if t == s]), rows[s]) for s in (0, 1, 2)]
-    want = y.clone()
+    a, b = torch.randn(4, 6, 40, generator=g).to(dtype), torch.randn(4, 6, 300, generator=g).to(dtype)  # b: B^T
+    x, y = torch.randn(9, 40, generator=g).to(dtype), torch.randn(9, 300, generator=g).to(dtype)
+    slots = [2, -1, 0, 2, 2, -1, 0, 3, 2]
+    gather = torch.tensor([2, 6, 0, 0, 0, 3, 4, 8, 7, 0, 0, 0])  # slot 0's tokens, then 2's, then 3's, padded
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=dtype)[..., None]
+    plan = LoRAPlan(torch.tensor(slots), [0, 2, 3], torch.tensor([0, 2, 3]), gather, mask, 4)
+    loop = y.float().clone()
     for i, s in enumerate(slots):
         if s >= 0:
-            want[i] += b[s, :, :rows[s]] @ (a[s, :rows[s]] @ x[i])
-    torch.testing.assert_close(add_lora_ref(y.clone(), x, a, b, segments), want)
-    torch.testing.assert_close(add_lora_ref(y.clone(), x, a, b, [(1, None, 4)]), y + x @ a[1, :4].t() @ b[1, :, :4].t())
+            loop[i] += (a[s, :5].float() @ x[i].float()) @ b[s, :5].float()
+    ref = add_lora_ref(y.clone(), x, a, b, plan, 5)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.25)  # two bf16 roundings vs one
+    torch.testing.assert_close(ref.float(), loop, **tol)
+    torch.testing.assert_close(fn(y.clone(), x, a, b, plan, 5).float(), ref.float(), **tol)
+    # a fused layer: 3 projections of 100 columns, rank 2 each, B^T block-diagonal; the layout lets a
+    # kernel skip the zero blocks, and must not change the result (slot 3's rank 0: one whole projection)
+    fused = b.clone()
+    for i in range(3):
+        fused[:3, 2 * i:2 * i + 2, :100 * i] = 0
+        fused[:3, 2 * i:2 * i + 2, 100 * (i + 1):] = 0
+    layout = ([0, 100, 200, 300], [2, 2, 2, 0])
+    torch.testing.assert_close(fn(y.clone(), x, a, fused, plan, 6, layout).float(),
+                               add_lora_ref(y.clone(), x, a, fused, plan, 6).float(), **tol)
+    whole = LoRAPlan(torch.full((9,), 1), [1], torch.tensor([1]), None, None, 9)
+    want = add_lora_ref(y.clone(), x, a, b, whole, 6)
+    torch.testing.assert_close(want.float(), y.float() + (x.float() @ a[1].float().t()) @ b[1].float(), **tol)
+    torch.testing.assert_close(fn(y.clone(), x, a, b, whole, 6).float(), want.float(), **tol)

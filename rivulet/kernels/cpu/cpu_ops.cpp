@@ -3,6 +3,7 @@
 // rounded to the input dtype where the reference rounds).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -51,6 +52,23 @@ inline float dot(const float* q, const T* k, int64_t D) {
 #else
   float acc = 0.f;
   for (int64_t d = 0; d < D; ++d) acc += q[d] * f32(k[d]);
+  return acc;
+#endif
+}
+
+// sum_d p[d] * q[d] of two vectors of one dtype, in float.
+template <typename T>
+inline float dot_same(const T* p, const T* q, int64_t D) {
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = tail_mask(D - d);
+    acc = _mm512_fmadd_ps(load16(p + d, m), load16(q + d, m), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += f32(p[d]) * f32(q[d]);
   return acc;
 #endif
 }
@@ -672,6 +690,120 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+
+// y[tok[g], o0:o0+n] += sum_r t[g, r] * b[r, o0:o0+n] for a group of up to 4 tokens of one adapter
+// (n <= 128): 8 vectors of columns per token held in registers, each load of b shared by the group.
+// Rows [r0, r1) only: a fused layer's B^T is block-diagonal (projection i's rank rows touch its columns
+// alone), so the caller passes the rows of the projections this block of columns meets.
+template <typename Ty>
+inline void lora_expand_block(Ty* y, int64_t ystride, int64_t o0, int64_t n, const int64_t* tok, int64_t G,
+                              const float* t, int64_t rows, int64_t r0, int64_t r1, const Ty* b, int64_t bstride) {
+#ifdef __AVX512F__
+  constexpr int V = 8;
+  __m512 acc[4][V];
+  __mmask16 m[V];
+  for (int v = 0; v < V; ++v) m[v] = n > v * 16 ? tail_mask(n - v * 16) : __mmask16(0);
+  for (int64_t g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = load16(y + tok[g] * ystride + o0 + v * 16, m[v]);
+  for (int64_t r = r0; r < r1; ++r) {
+    const Ty* br = b + r * bstride + o0;
+    __m512 tv[4];
+    for (int64_t g = 0; g < G; ++g) tv[g] = _mm512_set1_ps(t[g * rows + r]);
+    for (int v = 0; v < V; ++v) {
+      if (!m[v]) break;
+      const __m512 bv = load16(br + v * 16, m[v]);
+      for (int64_t g = 0; g < G; ++g) acc[g][v] = _mm512_fmadd_ps(tv[g], bv, acc[g][v]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v)
+      if (m[v]) store16(y + tok[g] * ystride + o0 + v * 16, round_to(Ty{}, acc[g][v]), m[v]);
+#else
+  for (int64_t g = 0; g < G; ++g) {
+    Ty* yrow = y + tok[g] * ystride + o0;
+    for (int64_t o = 0; o < n; ++o) {
+      float acc = f32(yrow[o]);
+      for (int64_t r = r0; r < r1; ++r) acc += t[g * rows + r] * f32(b[r * bstride + o0 + o]);
+      yrow[o] = static_cast<Ty>(acc);
+    }
+  }
+#endif
+}
+
+// LoRA of a batch mixing adapters, in place: y[i] += B_s (A_s x[i]) for each token i of slot s = slots[i]
+// (-1: the base model, untouched). a [S, R, in] and bt [S, R, out] (B transposed, scaled) in y's dtype;
+// only the first `rows` rank rows are read. One call per layer whatever the number of adapters. The
+// adapters' weights are cold in a decode step (the base weights stream through the caches between
+// layers), so each is read once per group of up to 4 tokens of one adapter: t = A_s[:rows] x (each row
+// of A against the group's tokens, parallel over groups x rows), then y += t B_s^T (parallel over blocks
+// of 128 columns, accumulated in registers, `lora_expand_block`). y is rounded once.
+//
+// A fused layer (q/k/v, gate/up) passes `bounds`, its projections' first columns and its width, and
+// `ranks`, each slot's adapter rank r: projection i's rows are [i r, (i + 1) r), the only ones read for
+// its columns. Empty `bounds`, or a rank of 0 (an adapter of the fused layer as a whole): rows [0, rows).
+void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor bt, torch::Tensor slots,
+              int64_t rows, std::vector<int64_t> bounds, std::vector<int64_t> ranks) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && x.dim() == 2 && x.is_contiguous() && x.size(0) == y.size(0),
+              "add_lora: y [T, out] and x [T, in] contiguous");
+  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.size(2) == x.size(1) && bt.size(2) == y.size(1) &&
+              rows <= a.size(1), "add_lora: a [S, R, in] and bt [S, R, out] contiguous");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == y.scalar_type() &&
+              bt.scalar_type() == y.scalar_type(), "add_lora: x, y and the adapters' weights of one dtype");
+  auto sl = slots.to(torch::kLong).contiguous();
+  const int64_t T = y.size(0), OUT = y.size(1), IN = x.size(1), R = a.size(1);
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  constexpr int64_t GROUP = 4;
+  std::vector<int64_t> order;  // adapter tokens, grouped by slot
+  for (int64_t i = 0; i < T; ++i) if (sp[i] >= 0) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return sp[p] < sp[q]; });
+  std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in `order`, one slot each
+  for (int64_t g = 0; g < int64_t(order.size());) {
+    int64_t e = g + 1;
+    while (e < int64_t(order.size()) && e - g < GROUP && sp[order[e]] == sp[order[g]]) ++e;
+    groups.emplace_back(g, e);
+    g = e;
+  }
+  if (groups.empty()) return;
+  const int64_t NG = groups.size();
+  std::vector<float> t(order.size() * rows);  // t[k * rows + r] for the k-th token of `order`
+  dispatch(y, "add_lora", [&](auto tag) {
+    using Ty = decltype(tag);
+    const Ty* xp = x.data_ptr<Ty>();
+    const Ty* ap = a.data_ptr<Ty>();
+    const Ty* bp = bt.data_ptr<Ty>();
+    Ty* yp = y.data_ptr<Ty>();
+    at::parallel_for(0, NG * rows, 8, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const auto [g0, g1] = groups[j / rows];
+        const int64_t r = j % rows;
+        const Ty* arow = ap + (sp[order[g0]] * R + r) * IN;
+        for (int64_t k = g0; k < g1; ++k) t[k * rows + r] = dot_same(arow, xp + order[k] * IN, IN);
+      }
+    });
+    constexpr int64_t BLOCK = 128;
+    const int64_t blocks = (OUT + BLOCK - 1) / BLOCK;
+    at::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t o0 = c * BLOCK, n = std::min(BLOCK, OUT - o0);
+        for (const auto& [g0, g1] : groups) {
+          const int64_t s = sp[order[g0]];
+          int64_t r0 = 0, r1 = rows;
+          if (bounds.size() > 2 && ranks[s] > 0) {  // the projections this block meets: first and last
+            const int64_t rk = ranks[s];
+            int64_t i0 = 0, i1 = 0;
+            while (i0 + 1 < int64_t(bounds.size()) - 1 && bounds[i0 + 1] <= o0) ++i0;
+            i1 = i0;
+            while (i1 + 1 < int64_t(bounds.size()) - 1 && bounds[i1 + 1] < o0 + n) ++i1;
+            r0 = std::min(rows, i0 * rk), r1 = std::min(rows, (i1 + 1) * rk);
+          }
+          lora_expand_block<Ty>(yp, OUT, o0, n, order.data() + g0, g1 - g0, t.data() + g0 * rows, rows, r0, r1,
+                                bp + s * R * OUT, OUT);
+        }
+      }
+    });
+  });
+}
+
 // The same kernels as dispatcher ops (torch.ops.rivulet.*): what torch.compile records in its graphs
 // (their fake implementations are in ops.py). Tuples rather than lists: the schemas name two outputs.
 std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm_op(const torch::Tensor& x, const torch::Tensor& residual,
@@ -742,4 +874,5 @@ void register_cpu_ops(py::module& m) {
   m.def("write_kv_cache", &write_kv_cache);
   m.def("decode_attention", &decode_attention);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("add_lora", &add_lora);
 }

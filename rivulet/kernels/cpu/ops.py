@@ -11,6 +11,7 @@ from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.kernels.lora import LoRAPlan, add_lora_batched
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight as quantize_int4_weight_ref)
@@ -172,3 +173,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
         return apply_token_bitmask_ref(logits, bitmask)
     _ext.apply_token_bitmask(logits, bitmask.to(torch.int32))
     return logits
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: LoRAPlan,
+             rows: int, layout: tuple[list[int], list[int]] = ([], [])) -> torch.Tensor:
+    """`add_lora_ref` in one C++ call for every adapter of a small step (decodes: it reads each weight once
+    per token group, so big steps take the batched PyTorch version, whose GEMMs reuse them)."""
+    if AVAILABLE and x.shape[0] <= 64 and y.dim() == 2 and y.is_contiguous() and x.dtype == y.dtype == a.dtype \
+            and y.dtype in (torch.float32, torch.bfloat16):
+        _ext.add_lora(y, x.contiguous(), a, b, plan.token_slots, rows, *layout)
+        return y
+    return add_lora_batched(y, x, a, b, plan, rows)
