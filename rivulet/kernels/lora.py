@@ -5,7 +5,8 @@ scaled; unused rank rows zero). A step is planned once (`LoRAPlan`): each token'
 with their tokens padded to the longest slot's count. The reference loops over the slots (two GEMMs each);
 the batched version gathers every slot's tokens into one [slots, tokens, in] tensor and runs two batched
 GEMMs for all adapters at once, then adds the deltas back (padding rows masked to zero): five ops per layer
-whatever the number of adapters (GPUs). The CPU kernel (`cpu_ops.cpp: add_lora`) is one call per layer.
+whatever the number of adapters. The CPU kernel (`cpu_ops.cpp: add_lora`, decode-sized steps) and the
+Triton kernel (`triton/lora.py`) are one call per layer.
 """
 
 from __future__ import annotations

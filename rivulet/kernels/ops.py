@@ -58,7 +58,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "pack_linear_weight": {"torch": pack_linear_weight_ref, "cpu": f"{_CPU}:pack_linear_weight"},
     "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
     "add_lora": {"torch": add_lora_ref, "cpu": f"{_CPU}:add_lora",
-                 "triton": "rivulet.kernels.lora:add_lora_batched"},
+                 "triton": f"{_TRITON}.lora:add_lora"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

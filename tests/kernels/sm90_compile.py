@@ -62,7 +62,8 @@ def _signature(fn: JITFunction, bound: dict[str, Any]) -> tuple[dict[str, str], 
 def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
     """Every op in the variants the model and the benchmarks use."""
     from rivulet.kernels.quant import quantize_fp8_weight
-    from rivulet.kernels.triton import activation, attention, bitmask, fp8_linear, kv_cache, moe, norm, rotary
+    from rivulet.kernels.lora import LoRAPlan
+    from rivulet.kernels.triton import activation, attention, bitmask, fp8_linear, kv_cache, lora, moe, norm, rotary
     from rivulet.worker.batch import SeqChunk, build_flat_batch
 
     cpu = torch.device("cpu")
@@ -73,6 +74,9 @@ def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
         norm.fused_add_rms_norm(x, x, x[0], 1e-5)
         activation.silu_and_mul(torch.randn(4, 2 * 14336, dtype=dt))
         activation.gelu_tanh_and_mul(torch.randn(4, 2 * 9216, dtype=dt))
+        plan = LoRAPlan(torch.tensor([0, 2, -1, 3]), [0, 2, 3], None, None, None, 0)
+        lora.add_lora(torch.randn(4, 960, dtype=dt), torch.randn(4, 576, dtype=dt), torch.randn(4, 48, 576, dtype=dt),
+                      torch.randn(4, 48, 960, dtype=dt), plan, 48)
         cache = torch.randn(2, 40, 16, 8, 128, dtype=dt)
         for interleaved, rot in ((False, 128), (True, 128), (False, 64)):
             inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))

@@ -163,3 +163,4 @@ def test_lora_ops_equal_the_reference(fn, dtype):
     want = add_lora_ref(y.clone(), x, a, b, whole, 6)
     torch.testing.assert_close(want.float(), y.float() + (x.float() @ a[1].float().t()) @ b[1].float(), **tol)
     torch.testing.assert_close(fn(y.clone(), x, a, b, whole, 6).float(), want.float(), **tol)
+
