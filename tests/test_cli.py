@@ -105,8 +105,18 @@ def test_chat_streams_a_reply_and_exits_on_eof():
 def test_generate_from_a_jsonl_file(tmp_path):
     f = tmp_path / "prompts.jsonl"
     f.write_text('"The capital of France is"\n{"prompt": "def add(a, b):"}\n\n')
-    r = _run(["generate", "--prompts-file", str(f), "--max-tokens", "6", "--temperature", "0", "--json"])
+    r = _run(["generate", "--prompts-file", str(f), "--max-tokens", "6", "--temperature", "0", "--json",
+              "--dtype", "float32"])
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert [row["prompt"] for row in rows] == ["The capital of France is", "def add(a, b):"]
-    assert all(len(row["token_ids"]) <= 6 and row["finish_reason"] in ("length", "stop") for row in rows)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    assert [row["prompt"] for row in rows] == prompts
+    # each line is the engine's greedy answer to its own prompt (not a batch-mate's, not truncated)
+    from rivulet import LLM, SamplingParams
+
+    llm = LLM(dtype="float32")
+    want = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    llm.shutdown()
+    assert [row["token_ids"] for row in rows] == [o.outputs[0].token_ids for o in want]
+    assert [row["text"] for row in rows] == [o.outputs[0].text for o in want]
+    assert [row["finish_reason"] for row in rows] == [o.outputs[0].finish_reason for o in want]

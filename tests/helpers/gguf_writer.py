@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,11 @@ _NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused in the checkpoint already
 }
+# Gemma: norms after attention and around the MLP
+_GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -23,7 +28,7 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -32,7 +37,8 @@ def gguf_name(hf_name: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{suffix}"
+    names = {**_NAMES, **_GEMMA_NAMES} if arch.startswith("gemma") else _NAMES
+    return f"blk.{layer}.{names[module]}.{suffix}"
 
 
 def write_gguf(hf_model, path: Path, qtype: QT = QT.F32, arch: str = "llama") -> dict[str, np.ndarray]:
@@ -46,23 +52,48 @@ def write_gguf(hf_model, path: Path, qtype: QT = QT.F32, arch: str = "llama") ->
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if "rope_theta" in c.rope_parameters:  # Gemma 3: one per layer type (below)
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_eos_token_id(2)
+    if arch.startswith("gemma"):  # what llama.cpp's converter writes for them
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+        else:
+            local, full = c.rope_parameters["sliding_attention"], c.rope_parameters["full_attention"]
+            w.add_rope_freq_base(full["rope_theta"])
+            w.add_rope_freq_base_swa(local["rope_theta"])
+            if full.get("rope_type") == "linear":
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":
+        rope = c.rope_parameters
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(c.max_position_embeddings / original) / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     expected: dict[str, np.ndarray] = {}
     state = hf_model.state_dict()
     if c.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, t in state.items():
         a = t.detach().to(torch.float32).numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
         q = qtype if a.ndim == 2 else QT.F32
         # quantization blocks run along rows and the q/k permutation only reorders rows, so the
         # decoded tensor is the decoded original, un-permuted
         expected[name] = gguf.quants.dequantize(quantize(a, q), q).reshape(a.shape).astype(np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             a = permute_qk(a, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
-        w.add_tensor(gguf_name(name), quantize(a, q), raw_dtype=q)
+        w.add_tensor(gguf_name(name, arch), quantize(a, q), raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as QT
 
 from helpers.gguf_writer import permute_qk, write_gguf
 from helpers.runner import make_runner, teacher_forced_logits
+from helpers.tiny import make_tiny_model
 from rivulet.config import RivuletError
 from rivulet.models.loader import resolve_model
 from rivulet.kernels.cpu import ops as cpu_ops
@@ -31,6 +32,22 @@ def test_f32_gguf_logits_match_transformers(kind, arch, tmp_path, tiny_model_dir
     write_gguf(hf, tmp_path / "m.gguf", QT.F32, arch)
     ids = list(range(40, 70))
     ours = teacher_forced_logits(make_runner(tmp_path / "m.gguf"), ids, chunks=[20], blocks=list(range(10)))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+def test_gguf_of_the_newer_families_matches_transformers(kind, tmp_path):
+    """Gemma 2/3 and Phi-3 as llama.cpp's converter writes them: Gemma's norms with their 1 added, its
+    post-attention and feed-forward norm names, caps and sliding-window pattern as metadata; Phi-3's fused
+    projections and LongRoPE factor tensors. The query scale is not in the file: llama.cpp (and Rivulet)
+    take 1/sqrt(head_dim), so the model is made with query_pre_attn_scalar = head_dim."""
+    extra = {"query_pre_attn_scalar": 16} if kind.startswith("gemma") else {}
+    hf = make_tiny_model(kind, tmp_path / "hf", **extra)
+    write_gguf(hf, tmp_path / "m.gguf", QT.F32, kind)
+    ids = list(range(40, 80))  # past the 12-token window and, for phi3, within the short factors
+    ours = teacher_forced_logits(make_runner(tmp_path / "m.gguf"), ids, chunks=[24], blocks=list(range(12)))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -37,6 +37,9 @@ _ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", None),
     "qwen3": ("Qwen3ForCausalLM", None),
     "qwen3moe": (None, "Qwen3MoeForCausalLM"),
+    "phi3": ("Phi3ForCausalLM", None),
+    "gemma2": ("Gemma2ForCausalLM", None),
+    "gemma3": ("Gemma3ForCausalLM", None),
 }
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -59,6 +62,15 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
+# where an architecture names a block tensor differently: Gemma's norms after attention and around the MLP,
+# Phi-3's fused projections (kept fused, as in its HF checkpoints)
+_ARCH_BLOCK_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE, read into the config
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -122,16 +134,57 @@ class GGUFCheckpoint:
             cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
         if self.arch_field("attention.sliding_window"):
             cfg["sliding_window"] = self.arch_field("attention.sliding_window")
+        if self.arch.startswith("gemma"):
+            cfg.update(self._gemma_config(cfg))
+        if self.arch == "phi3" and "rope_factors_long.weight" in names:
+            cfg["rope_scaling"] = self._longrope(cfg)
         if experts:
             cfg.update(num_experts=experts, num_experts_per_tok=self.arch_field("expert_used_count"),
                        moe_intermediate_size=self.arch_field("expert_feed_forward_length", cfg["intermediate_size"]),
                        norm_topk_prob=True)
         return cfg
 
+    def _gemma_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp's Gemma files leave implicit: norms stored with their 1 added, the query scale
+        (1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B models, as llama.cpp decides), which
+        layers slide (the pattern key, else every 2nd (Gemma 2) or 6th (Gemma 3) layer is global)."""
+        n = cfg["num_hidden_layers"]
+        big = (self.arch == "gemma2" and n == 46) or (self.arch == "gemma3" and n == 62)
+        out: dict[str, Any] = {
+            "hidden_activation": "gelu_pytorch_tanh", "norm_weight_offset": 0.0,
+            "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+            "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
+            "final_logit_softcapping": self.arch_field("final_logit_softcapping"),
+        }
+        pattern = self.arch_field("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            p = int(pattern or (2 if self.arch == "gemma2" else 6))
+            out["layer_types"] = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(n)]
+        if self.arch == "gemma3":
+            out["rope_local_base_freq"] = self.arch_field("rope.freq_base_swa", 10000.0)
+        return out
+
+    def _longrope(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        tensors = {t.name: t for t in self.reader.tensors if t.name in _ROPE_FACTORS}
+        factors = {name: dequantize_tensor(t.data, t.tensor_type).tolist() for name, t in tensors.items()}
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+            "original_max_position_embeddings": self.arch_field("rope.scaling.original_context_length",
+                                                                cfg["max_position_embeddings"])}
+        if (attn := self.arch_field("rope.scaling.attn_factor")) is not None:
+            scaling["attention_factor"] = attn
+        return scaling
+
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, dequantized tensor) pairs."""
         cfg = self.hf_config
+        block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(self.arch, {})}
         for t in self.reader.tensors:
+            if t.name in _ROPE_FACTORS:
+                continue
             shape = tuple(int(d) for d in reversed(t.shape))  # gguf lists dimensions fastest-first
             w = dequantize_tensor(t.data, t.tensor_type, dtype).view(shape)
             name = _NAMES.get(t.name)
@@ -145,9 +198,9 @@ class GGUFCheckpoint:
                     for e in range(w.shape[0]):
                         yield f"{prefix}.mlp.experts.{e}.{_EXPERT_NAMES[kind]}.weight", w[e].to(dtype)
                     continue
-                if kind not in _BLOCK_NAMES:
+                if kind not in block_names:
                     raise RivuletError(f"unexpected GGUF tensor {t.name!r}")
-                name = f"{prefix}.{_BLOCK_NAMES[kind]}.{suffix}"
+                name = f"{prefix}.{block_names[kind]}.{suffix}"
                 if self.arch in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
                     n_head = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
                     w = unpermute_qk(w, n_head)
