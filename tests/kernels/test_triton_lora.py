@@ -21,5 +21,5 @@ def test_add_lora_matches_reference(rows, d_in, d_out, dtype):
     want = add_lora_ref(y.clone(), x, a, b, plan, rows)
     assert (want - y).abs().max() > 1.0  # the adapters change the rows they own
     got = add_lora(y.clone(), x, a, b, plan, rows)
-    close(got, want, dtype, scale=10.0)  # sums over up to 576 inputs: a looser absolute tolerance
+    close(got, want, dtype, scale=100.0)  # deltas of ~100 summed over 576 x 48 products: float32 rounding
     assert torch.equal(got[1], y[1]) and torch.equal(got[5], y[5])  # base tokens untouched
