@@ -139,7 +139,7 @@ class AsyncLLM:
         finished = False
         try:
             for r in core_requests:
-                await self._to_core.send(encode(AddRequest.of(r)))
+                await self._send(encode(AddRequest.of(r)))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -158,6 +158,17 @@ class AsyncLLM:
         queue = self._streams.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    async def _send(self, frame: bytes) -> None:
+        """Send to the engine. A send blocked on an engine that died (a PUSH socket without its peer waits)
+        is cancelled when the socket closes: that is the engine's death, not this task's cancellation."""
+        try:
+            await self._to_core.send(frame)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            task = asyncio.current_task()
+            if self._dead and (task is None or not task.cancelling()):
+                raise EngineDeadError(self._dead) from None
+            raise
 
     async def _abort_quietly(self, request_id: str) -> None:
         ids = self.processor.abort(request_id)

@@ -139,3 +139,38 @@ def test_engine_exits_when_its_parent_dies(state):
         time.sleep(0.1)
     os.kill(engine_pid, signal.SIGKILL)
     pytest.fail(f"the engine process outlived its parent ({state}) by 15 s")
+
+
+class _BlockedSocket:
+    """A PUSH socket whose peer is gone: a send waits until the socket closes, which cancels it (as pyzmq does)."""
+
+    def __init__(self) -> None:
+        self.pending: asyncio.Future | None = None
+
+    async def send(self, frame: bytes) -> None:
+        self.pending = asyncio.get_running_loop().create_future()
+        await self.pending
+
+    def close(self) -> None:
+        assert self.pending is not None
+        self.pending.cancel()
+
+
+def test_a_send_cut_by_the_engine_dying_is_engine_death_not_cancellation():
+    async def main():
+        engine = AsyncLLM()
+        engine._to_core = sock = _BlockedSocket()
+        send = asyncio.ensure_future(engine._send(b"add"))
+        await asyncio.sleep(0)
+        engine._fail("the engine process exited unexpectedly")
+        sock.close()  # the supervisor's shutdown of the dead engine closes its sockets
+        with pytest.raises(EngineDeadError, match="exited unexpectedly"):
+            await send
+        # the caller's own cancellation stays a cancellation
+        send = asyncio.ensure_future(engine._send(b"add"))
+        await asyncio.sleep(0)
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+
+    _run(main())

@@ -106,21 +106,27 @@ def ray_engine_pids() -> list[int]:
 def test_ray_backend_places_replicas_as_actors_and_restarts_a_killed_one(dp: ServerProcess) -> None:
     """--data-parallel-backend ray (a local Ray cluster): the replicas are Ray actors connected over TCP, they
     give the texts the process replicas give, and a SIGKILLed actor is restarted as a new one."""
-    async def texts(url: str) -> list[str]:
+    async def gather(url: str) -> list[str]:
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*(run_one(client, url + "/v1/completions", i, [0]) for i in range(1, 9, 2)))
 
-    want = asyncio.run(texts(dp.url))
+    def texts(url: str, server: ServerProcess) -> list[str]:
+        try:
+            return asyncio.run(gather(url))
+        except AssertionError as e:  # the server's log says why a request failed
+            raise AssertionError(f"{e}\n--- server log ---\n{server.log()[-4000:]}") from None
+
+    want = texts(dp.url, dp)
     proc = ServerProcess("--data-parallel-size", "2", "--data-parallel-backend", "ray", "--max-model-len", "256",
                          "--max-num-seqs", "64")
     try:
         actors = ray_engine_pids()
         assert len(actors) == 2, actors
-        assert asyncio.run(texts(proc.url)) == want
+        assert texts(proc.url, proc) == want
         os.kill(actors[0], signal.SIGKILL)
         assert wait_until(lambda: len(ray_engine_pids()) == 2 and actors[0] not in ray_engine_pids(), timeout=120)
         assert wait_until(lambda: httpx.get(proc.url + "/health").status_code == 200, timeout=60)
-        assert asyncio.run(texts(proc.url)) == want
+        assert texts(proc.url, proc) == want
         assert "restart" in proc.log()
     finally:
         proc.stop()

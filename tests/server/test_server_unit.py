@@ -416,3 +416,28 @@ def test_lora_modules_flag_forms_and_errors(tmp_path: Any) -> None:
                              ([f"x={a}"], 2, "more than --max-lora-rank 2")]:
         with pytest.raises(RivuletError, match=msg):
             parse_lora_modules(specs, rank)
+
+
+def test_until_disconnected_tells_a_leaving_client_from_an_internal_cancellation() -> None:
+    from rivulet.entrypoints.openai.errors import OpenAIError
+    from rivulet.entrypoints.openai.serving_base import ClientDisconnected, until_disconnected
+
+    async def stays() -> dict:
+        await asyncio.sleep(3600)
+        return {}
+
+    async def leaves() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def cancelled_inside() -> int:
+        raise asyncio.CancelledError("a future inside the server was cancelled")
+
+    async def main() -> None:
+        assert await until_disconnected(stays, asyncio.sleep(0, 7)) == 7
+        with pytest.raises(ClientDisconnected):
+            await until_disconnected(leaves, asyncio.sleep(3600))
+        with pytest.raises(OpenAIError) as e:  # not a 499 for a client that is still waiting
+            await until_disconnected(stays, cancelled_inside())
+        assert e.value.status == 500
+
+    asyncio.run(main())

@@ -397,7 +397,13 @@ async def until_disconnected(receive: Receive, aw: Awaitable[T], deadline: Deadl
     if not done and deadline is not None:
         raise deadline.error()
     if work.cancelled():
-        raise ClientDisconnected()
+        if watch in done and not watch.cancelled():
+            if watch.exception() is not None:
+                logger.warning("reading the client's connection failed: %r", watch.exception())
+            raise ClientDisconnected()
+        # cancelled from inside the server, with the client still there: an error it must see, not a 499
+        logger.error("a request was cancelled inside the server while its client waited")
+        raise OpenAIError(500, "the request was cancelled inside the server")
     return work.result()
 
 
