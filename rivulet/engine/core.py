@@ -98,8 +98,12 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks, tier.host_slots if tier else 0,
                                        str(tier.disk_dir) if tier and tier.disk_dir else None)
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max_model_len %d", num_blocks, bs,
-                    num_blocks * bs, num_blocks * self.executor.kv_bytes_per_block() / 2**20, model_len)
+        block_bytes = self.executor.kv_bytes_per_block()
+        latent = f"; MLA latent cache, {arch.mla_cache_saving():.0f}x smaller than the heads' keys and values" \
+            if arch.is_mla else ""
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %d bytes per token%s); max_model_len %d",
+                    num_blocks, bs, num_blocks * bs, num_blocks * block_bytes / 2**20, block_bytes // bs, latent,
+                    model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, namespace)
         spec = config.speculative
         # a draft model writes its guesses after a sampling step's tokens: room for them

@@ -22,6 +22,31 @@ def topk_routing_ref(
     return weights, ids
 
 
+def grouped_topk_routing_ref(
+    router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
+    n_group: int = 1, topk_group: int = 1, group_by: str = "max", renormalize: bool = False, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing: scores by softmax (V2) or sigmoid (V3); experts chosen by score + `bias` (V3's
+    correction, which never weights an expert), among the `topk_group` of `n_group` groups whose best
+    score (`group_by` "max", V2) or top-2 sum ("top2", V3) is highest; weights are the plain scores,
+    renormalised to sum to 1 if asked, times `scale`. Returns (weights [T, k] float32, ids [T, k] int64)."""
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1 and topk_group < n_group:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        group_score = grouped.max(-1).values if group_by == "max" else grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w13: torch.Tensor,

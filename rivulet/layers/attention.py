@@ -1,5 +1,11 @@
 """Attention over the paged KV cache. The cache tensor is bound to the layer once by the model
-runner when it allocates the cache; the per-step metadata is passed in every call."""
+runner when it allocates the cache; the per-step metadata is passed in every call.
+
+`MLAAttention` is multi-head latent attention (DeepSeek-V2/V3) in its absorbed form: the cache holds one
+vector per token (the compressed latent and the rotary key), read by every head as both key and value
+(the value is the latent part). It runs on the same backends as `Attention`: its cache is bound as
+a [2, ...] view whose two halves are the same memory (stride 0), so a backend reading "values"
+reads the keys, and the output's first `latent_dim` columns are the latent attention output."""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from rivulet.platforms import current_platform
 
 
 class Attention(nn.Module):
+    kv_halves = 2  # the cache holds keys and values
+
     def __init__(
         self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int | None = None,
         softcap: float | None = None,
@@ -23,6 +31,10 @@ class Attention(nn.Module):
         self.backend = get_attention_backend(current_platform().attention_backend())
         self._write_kv_cache = get_op("write_kv_cache")
 
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        """Use `cache` [kv_halves, num_blocks, block_size, num_kv_heads, head_dim] from now on."""
+        self.kv_cache = cache
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq*D], k and v [T, Hk*D] -> [T, Hq*D]."""
         if self.kv_cache is None:
@@ -32,3 +44,26 @@ class Attention(nn.Module):
         self._write_kv_cache(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
                            self.kv_cache, meta.slot_mapping)
         return self.backend(q, self.kv_cache, meta, self.scale, self.sliding_window, self.softcap).reshape(t, -1)
+
+
+class MLAAttention(Attention):
+    """Heads over one shared cached vector per token: [latent (latent_dim) | rotary key (rope_dim)]."""
+
+    kv_halves = 1
+
+    def __init__(self, num_heads: int, latent_dim: int, rope_dim: int, scale: float) -> None:
+        super().__init__(num_heads, latent_dim + rope_dim, scale, num_kv_heads=1)
+        self.latent_dim = latent_dim
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        self.kv_cache = cache.expand(2, -1, -1, -1, -1)  # values = keys: the same memory
+
+    def forward(self, q: torch.Tensor, entry: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # type: ignore[override]
+        """q [T, H, latent+rope] (the no-rope part already absorbed into latent space), entry [T, latent+rope]
+        (this step's tokens, stored in the cache) -> [T, H, latent]."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
+        slots = self.kv_cache[0].view(-1, self.head_dim)
+        slots.index_copy_(0, meta.slot_mapping, entry.to(slots.dtype))
+        out = self.backend(q, self.kv_cache, meta, self.scale, None, 0.0)
+        return out[..., :self.latent_dim]

@@ -93,6 +93,11 @@ class FusedMoE(nn.Module):
         """x [T, hidden] (all tokens, the same on every rank) -> [T, hidden], or this rank's token
         shard under sequence parallelism."""
         weights, ids = self._topk_routing(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(x, weights, ids)
+
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts on a routing the caller chose (DeepSeek's grouped routing): weights [T, k] float32,
+        expert ids [T, k] int64."""
         flat = ids.flatten()  # index_add_, not bincount: no host sync, so CUDA graphs can capture it
         self.expert_counts.index_add_(0, flat, torch.ones_like(flat))
         if self.ep:

@@ -44,6 +44,34 @@ def _longrope_cache(exponents: torch.Tensor, base: float, max_position: int, s: 
     return torch.cat([short[:original], long[original:]])
 
 
+def _yarn_inv_freq(exponents: torch.Tensor, base: float, max_position: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V2/V3, Qwen long context): frequencies blended from extrapolated (high) to interpolated by
+    `factor` (low) across a ramp between the dimensions that turn beta_fast and beta_slow times over the
+    original context; cos/sin scaled by the attention factor (from `mscale` / `mscale_all_dim` when given)."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_position / original
+    dim = exponents.shape[0] * 2
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if s.get("mscale") and s.get("mscale_all_dim") \
+            else mscale()
+
+    def turning_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turning_dim(s.get("beta_fast") or 32), turning_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolated = 1.0 / base**exponents
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp), float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -64,12 +92,17 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("cos_sin_cache", _longrope_cache(exponents, base, max_position, scaling),  # type: ignore[arg-type]
                                  persistent=False)
             return
+        if kind == "yarn":
+            inv_freq, attention = _yarn_inv_freq(exponents, base, max_position, scaling)  # type: ignore[arg-type]
+            self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_position, attention),
+                                 persistent=False)
+            return
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]  # type: ignore[index]
         elif kind != "default":
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_position), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

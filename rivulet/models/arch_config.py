@@ -6,6 +6,7 @@ path from any checkpoint to a model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,9 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True},
     "MixtralForCausalLM": {"norm_topk_prob": True},
+    # DeepSeek: V2 routes by softmax scores, V3 by sigmoid scores plus a correction bias, groups by their top-2 sum
+    "DeepseekV2ForCausalLM": {"scoring_func": "softmax"},
+    "DeepseekV3ForCausalLM": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
     # Gemma: (1 + weight) norms, embeddings scaled by sqrt(hidden), tied head, norms around attention and MLP
     "Gemma2ForCausalLM": {"norm_weight_offset": 1.0, "embed_scale": True, "sandwich_norms": True,
                           "tie_word_embeddings": True},
@@ -64,10 +68,30 @@ class ArchConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek)
+    scoring_func: str = "softmax"  # routing scores: softmax, or sigmoid (DeepSeek-V3)
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (V2) | noaux_tc (V3: bias-corrected, grouped)
+    n_group: int = 1  # experts in n_group groups; tokens choose among the best topk_group groups only
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # multi-head latent attention (DeepSeek-V2/V3); head_dim is then the rotary part of a head
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def mla_cache_saving(self) -> float:
+        """How many times larger per-head keys and values would be than MLA's cached [latent | rotary key]."""
+        heads = self.num_attention_heads * (self.qk_nope_head_dim + self.head_dim + self.v_head_dim)
+        return heads / (self.kv_lora_rank + self.head_dim)
 
     @property
     def is_moe(self) -> bool:
@@ -83,6 +107,9 @@ class ArchConfig:
         return self.sliding_window
 
     def attention_scale(self) -> float:
+        if self.is_mla:  # over the whole query head (no-rope and rope parts), times YaRN's mscale squared
+            m = _yarn_mscale(self.rope_scaling)
+            return (self.qk_nope_head_dim + self.head_dim) ** -0.5 * m * m
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
@@ -125,6 +152,8 @@ class ArchConfig:
         if scaling and "original_max_position_embeddings" not in scaling and c.get("original_max_position_embeddings"):
             scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]  # Phi-3
         eos = c.get("eos_token_id")
+        mla = bool(c.get("kv_lora_rank"))
+        dense_first = list(range(c.get("first_k_dense_replace") or 0))  # DeepSeek's dense first layers
         window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
@@ -134,12 +163,12 @@ class ArchConfig:
             num_hidden_layers=c["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            head_dim=c["qk_rope_head_dim"] if mla else (c.get("head_dim") or c["hidden_size"] // heads),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
-            rope_interleaved=c.get("rope_interleaved", False),
+            rope_interleaved=c.get("rope_interleave", True) if mla else c.get("rope_interleaved", False),
             partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             attention_bias=c.get("attention_bias", False),
@@ -154,16 +183,34 @@ class ArchConfig:
             sandwich_norms=c.get("sandwich_norms", False),
             embed_scale=c.get("embed_scale", False),
             norm_weight_offset=c.get("norm_weight_offset", 0.0),
-            num_experts=c.get("num_experts") or c.get("num_local_experts") or 0,
+            num_experts=c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0,
             num_experts_per_tok=c.get("num_experts_per_tok", 0),
             moe_intermediate_size=c.get("moe_intermediate_size") or c.get("intermediate_size", 0),
             norm_topk_prob=c.get("norm_topk_prob", False),
-            decoder_sparse_step=c.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(c.get("mlp_only_layers") or []),
+            decoder_sparse_step=c.get("decoder_sparse_step") or c.get("moe_layer_freq") or 1,
+            mlp_only_layers=sorted(set(c.get("mlp_only_layers") or []) | set(dense_first)),
+            n_shared_experts=c.get("n_shared_experts") or 0,
+            scoring_func=c.get("scoring_func") or "softmax",
+            topk_method=c.get("topk_method") or "greedy",
+            n_group=c.get("n_group") or 1,
+            topk_group=c.get("topk_group") or 1,
+            routed_scaling_factor=c.get("routed_scaling_factor") or 1.0,
+            kv_lora_rank=c.get("kv_lora_rank") or 0,
+            q_lora_rank=c.get("q_lora_rank"),
+            qk_nope_head_dim=c.get("qk_nope_head_dim") or 0,
+            v_head_dim=c.get("v_head_dim") or 0,
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             torch_dtype=c.get("dtype") or c.get("torch_dtype"),
         )
+
+
+def _yarn_mscale(scaling: dict[str, Any] | None) -> float:
+    """YaRN's attention temperature on the scores of DeepSeek's MLA (1 without YaRN or `mscale_all_dim`)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = scaling["factor"]
+    return 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
 
 
 def _default_layer_types(arch: str, c: dict[str, Any]) -> list[str] | None:

@@ -5,14 +5,15 @@ x -> [RMSNorm -> attention] + x -> [RMSNorm -> MLP] + x, with the residual add f
 norm. What families add is read from the `ArchConfig`, not subclassed: norms after attention and the
 MLP too ("sandwich", Gemma), GeGLU, scaled embeddings, a per-layer sliding window and RoPE base,
 capped attention scores and logits. The forward pass takes one flat token batch and its attention
-metadata; MoE models (moe.py) reuse everything here and swap the MLP.
+metadata; MoE models (moe.py) reuse everything here and swap the MLP, DeepSeek (deepseek.py) the
+attention too.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -75,10 +76,10 @@ class LlamaDecoderLayer(nn.Module):
     add: post_attention_layernorm is that norm of the attention output, pre_feedforward_layernorm
     the MLP's input norm and post_feedforward_layernorm the norm of its output."""
 
-    def __init__(self, cfg: ArchConfig, layer_idx: int, mlp: nn.Module, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.parallel = get_parallel_state()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb)
+        self.self_attn = attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -121,7 +122,8 @@ class LlamaModel(nn.Module):
     embedding on the first stage and the final norm on the last; the hidden states and the residual
     of every token go to the next stage as one [2, T, hidden] tensor."""
 
-    def __init__(self, cfg: ArchConfig, make_mlp: "callable[[int], nn.Module]") -> None:
+    def __init__(self, cfg: ArchConfig, make_attention: Callable[[int, RotaryEmbedding], nn.Module],
+                 make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.parallel = ps = get_parallel_state()
         n = cfg.num_hidden_layers
@@ -137,7 +139,7 @@ class LlamaModel(nn.Module):
         local = rotary if cfg.local_rope_theta is None else RotaryEmbedding(
             d, rot_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.rope_interleaved)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, make_mlp(i), local if cfg.layer_window(i) else rotary)
+            LlamaDecoderLayer(cfg, make_attention(i, local if cfg.layer_window(i) else rotary), make_mlp(i))
             if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n))
         self.embed_scale = cfg.hidden_size**0.5 if cfg.embed_scale else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
@@ -233,10 +235,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.make_mlp)
+        self.model = LlamaModel(cfg, self.make_attention, self.make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.parallel.is_last_stage else None
         if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie(self.model.embed_tokens)
+
+    def make_attention(self, layer_idx: int, rotary_emb: RotaryEmbedding) -> nn.Module:
+        return LlamaAttention(self.config, layer_idx, rotary_emb)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         return LlamaMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)

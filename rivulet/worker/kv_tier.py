@@ -44,8 +44,11 @@ class KVTierWorker:
         c0 = kv_caches[0]
         self.dtype, self.block_size = c0.dtype, c0.shape[2]
         self.layout = [[int(c.shape[3]), int(c.shape[4])] for c in kv_caches]
-        self.layer_bytes = [2 * self.block_size * h * d * self.dtype.itemsize for h, d in self.layout]
-        self.host = [torch.empty((2, host_slots, *c.shape[2:]), dtype=c.dtype, device="cpu", pin_memory=pin_memory)
+        # keys and values: 2 halves; a latent cache (MLA): 1
+        self.layer_bytes = [c.shape[0] * self.block_size * h * d * self.dtype.itemsize
+                            for c, (h, d) in zip(kv_caches, self.layout)]
+        self.host = [torch.empty((c.shape[0], host_slots, *c.shape[2:]), dtype=c.dtype, device="cpu",
+                                 pin_memory=pin_memory)
                      for c in kv_caches] if host_slots else []
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.disk_error: str | None = None
@@ -186,8 +189,8 @@ class KVTierWorker:
         _, _, hlen = _PREFIX.unpack_from(data)
         buf = torch.frombuffer(bytearray(data[_PREFIX.size + hlen:]), dtype=torch.uint8)
         out, at = [], 0
-        for (h, d), nbytes in zip(self.layout, self.layer_bytes):
-            out.append(buf[at:at + nbytes].view(self.dtype).view(2, self.block_size, h, d))
+        for c, (h, d), nbytes in zip(self.kv_caches, self.layout, self.layer_bytes):
+            out.append(buf[at:at + nbytes].view(self.dtype).view(c.shape[0], self.block_size, h, d))
             at += nbytes
         return out
 

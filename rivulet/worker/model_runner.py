@@ -102,7 +102,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         bs, size = self.cache_config.block_size, self.dtype.itemsize
-        return sum(2 * bs * a.num_kv_heads * a.head_dim * size for a in self._kv_layers())
+        return sum(a.kv_halves * bs * a.num_kv_heads * a.head_dim * size for a in self._kv_layers())
 
     def num_blocks_for_budget(self) -> int:
         """Blocks that fit the configured KV memory (or a share of the free memory)."""
@@ -121,8 +121,8 @@ class ModelRunner:
         bs = self.cache_config.block_size
         self.kv_caches = []
         for a in self._kv_layers():
-            cache = self.platform.zeros((2, num_blocks, bs, a.num_kv_heads, a.head_dim), self.dtype)
-            a.kv_cache = cache
+            cache = self.platform.zeros((a.kv_halves, num_blocks, bs, a.num_kv_heads, a.head_dim), self.dtype)
+            a.bind_kv_cache(cache)
             self.kv_caches.append(cache)
         # keys, then values, of every layer: each region in block order, as fresh blocks are handed out
         self.prefaulter = self.platform.prefault([half for c in self.kv_caches for half in c.unbind(0)])

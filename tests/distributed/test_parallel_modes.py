@@ -57,6 +57,7 @@ def _sum(stats: list[dict], kind: str, field: str = "payload_bytes") -> int:
     ("qwen3-moe", dict(tensor_parallel_size=2, enable_sequence_parallel=True)),
     ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ("qwen3-moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("deepseek-v3", dict(tensor_parallel_size=2, enable_expert_parallel=True)),  # grouped routing, shared experts
     ("qwen3-moe", dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_sequence_parallel=True)),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
 def test_mode_equals_single_rank_and_comm_formula(kind, kw, tiny_model_dir):

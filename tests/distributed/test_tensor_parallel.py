@@ -23,6 +23,7 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     ("qwen3-moe", 2),          # experts' intermediate dimension split, q/k norm
     ("phi3", 2),               # fused checkpoint qkv_proj / gate_up_proj split per rank
     ("gemma2", 2),             # capped scores and logits, sandwich norms, alternating windows
+    ("deepseek-v3", 2),        # MLA heads split (the latent replicated), shared + routed experts split
 ])
 def test_tiny_models_tp_equals_single_rank(kind, tp, tiny_model_dir):
     path, _ = tiny_model_dir(kind)

@@ -36,6 +36,17 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", dict(pad_token_id=0, original_max_position_embeddings=64, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 8 for i in range(8)],
         long_factor=[2.0 + i for i in range(8)], original_max_position_embeddings=64))),
+    # DeepSeek: MLA (latent 32 + rotary 8 per token in the cache; V3 with a query bottleneck), a dense first
+    # layer, then 8 routed experts in 4 groups (2 groups kept per token) + a shared expert
+    "deepseek-v2": ("DeepseekV2Config", dict(
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5)),
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
 }
 
 # softcapping is computed by transformers' eager attention only
@@ -57,6 +68,9 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | 
                 p.normal_(0, 0.15)
             elif p.dim() == 1:
                 p.uniform_(0.5, 1.5) if "norm" in "".join(n for n, q in model.named_parameters() if q is p) else p.normal_(0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing correction: make it change choices
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
     return model.eval()

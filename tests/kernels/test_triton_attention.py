@@ -77,3 +77,14 @@ def test_block_size_not_tile_multiple():
 
 def test_registered_as_backend():
     assert get_attention_backend("triton") is paged_attention
+
+
+@pytest.mark.parametrize("spec", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_latent_cache_mla(spec):
+    """DeepSeek's MLA: one cached vector per token read as key and value (a stride-0 [2, ...] view), 8 heads
+    sharing it; the latent part of the output equals the reference on the same view."""
+    q, cache, meta = _setup(spec, 8, 1, 40, 16, torch.float32, seed=6)
+    both = cache[:1].expand(2, -1, -1, -1, -1)
+    assert both.stride(0) == 0
+    close(paged_attention(q, both, meta, 0.2)[..., :32], paged_attention_ref(q, both, meta, 0.2)[..., :32],
+          torch.float32)

@@ -90,9 +90,8 @@ def _sdpa_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if window:
         mask &= k_pos > lens - 1 - window
     block_ids = block_tables[seqs, :n].long().flatten()
-    pages = kv_cache.view(2, num_blocks, -1)
-    k = torch.index_select(pages[0], 0, block_ids).view(s, -1, hk, d).transpose(1, 2)
-    v = torch.index_select(pages[1], 0, block_ids).view(s, -1, hk, d).transpose(1, 2)
+    k = torch.index_select(kv_cache[0].view(num_blocks, -1), 0, block_ids).view(s, -1, hk, d).transpose(1, 2)
+    v = torch.index_select(kv_cache[1].view(num_blocks, -1), 0, block_ids).view(s, -1, hk, d).transpose(1, 2)
     o = attend(query[rows][:, :, None, :], k.to(query.dtype), v.to(query.dtype), mask[:, None, None, :], scale,
                softcap)
     out[rows] = o[:, :, 0, :]

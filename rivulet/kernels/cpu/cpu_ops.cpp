@@ -592,12 +592,13 @@ DecodeGroupFn<TT> decode_group_for(int64_t D) {
 void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                       torch::Tensor seq_lens, torch::Tensor rows, torch::Tensor seqs, torch::Tensor out,
                       double scale, int64_t sliding_window) {
-  TORCH_CHECK(kv_cache.is_contiguous() && out.is_contiguous() && query.stride(2) == 1, "decode_attention: layouts");
+  TORCH_CHECK(kv_cache[0].is_contiguous() && out.is_contiguous() && query.stride(2) == 1, "decode_attention: layouts");
   auto bt = block_tables.to(torch::kInt).contiguous();
   auto sl = seq_lens.to(torch::kInt).contiguous();
   auto rw = rows.to(torch::kLong).contiguous(), sq = seqs.to(torch::kLong).contiguous();
   const int64_t S = rw.numel(), Hq = query.size(1), D = query.size(2);
-  const int64_t bs = kv_cache.size(2), Hk = kv_cache.size(3), G = Hq / Hk, plane = kv_cache.numel() / 2;
+  // values start `plane` elements after the keys: a half, or 0 where they are the keys (an MLA latent cache)
+  const int64_t bs = kv_cache.size(2), Hk = kv_cache.size(3), G = Hq / Hk, plane = kv_cache.stride(0);
   const int64_t maxb = bt.size(1);
   dispatch(query, "decode_attention", [&](auto tag) {
     using TT = decltype(tag);

@@ -246,7 +246,7 @@ bool use_amx(c10::ScalarType dtype, int64_t D, int64_t bs) {
 void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                        torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor seqs, torch::Tensor out,
                        double scale, int64_t window) {
-  TORCH_CHECK(kv_cache.is_contiguous() && out.is_contiguous() && query.stride(2) == 1, "prefill_attention: layouts");
+  TORCH_CHECK(kv_cache[0].is_contiguous() && out.is_contiguous() && query.stride(2) == 1, "prefill_attention: layouts");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
               "prefill_attention: dtypes");
   auto bt = block_tables.to(torch::kInt).contiguous();
@@ -254,7 +254,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tenso
   auto sl = seq_lens.to(torch::kInt).contiguous();
   auto sq = seqs.to(torch::kLong).contiguous();
   const int64_t Hq = query.size(1), D = query.size(2), bs = kv_cache.size(2), Hk = kv_cache.size(3);
-  const int64_t G = Hq / Hk, plane = kv_cache.numel() / 2, maxb = bt.size(1);
+  const int64_t G = Hq / Hk, plane = kv_cache.stride(0), maxb = bt.size(1);  // 0: values are the keys (MLA)
   TORCH_CHECK(Hq % Hk == 0, "prefill_attention: query heads a multiple of kv heads");
   const bool amx = use_amx(query.scalar_type(), D, bs);
   TORCH_CHECK(amx || G <= R, "prefill_attention: at most 32 query heads per kv head");
