@@ -32,6 +32,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 class LinearBase(nn.Module):
     quantizable = True  # layers.quantization may give it a compact weight copy
+    packable = True  # ... or its weight in a kernel's packed layout (not for a layer whose weight is read as is)
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = input_size, output_size  # this rank's (a packed weight's shape differs)

@@ -98,7 +98,8 @@ def prepack_model(model: nn.Module) -> int:
     users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False) if not p.is_mkldnn)
     count = 0
     for module in model.modules():
-        if not isinstance(module, (LinearBase, ParallelLMHead)) or isinstance(module.quant, Prepacked) or (
+        if not isinstance(module, (LinearBase, ParallelLMHead)) or not getattr(module, "packable", True) or \
+                isinstance(module.quant, Prepacked) or (
                 isinstance(module.quant, WeightOnly) and isinstance(module.quant.dense, Prepacked)):
             continue  # packed already
         packed = pack(module.weight)

@@ -38,9 +38,9 @@ from rivulet.models.moe import MoeForCausalLM
 
 class AbsorbedLinear(ColumnParallelLinear):
     """kv_b_proj: its weight is read as per-head matrices (absorbed into the query and the output), never
-    applied as one GEMM, so it stays unquantized."""
+    applied as one GEMM, so it stays as loaded: neither quantized nor packed."""
 
-    quantizable = False
+    quantizable = packable = False
 
 
 class MLA(nn.Module):
@@ -105,19 +105,23 @@ class DeepseekMoE(nn.Module):
 
 
 class Router(nn.Module):
-    """The gate: float32 router logits, and V3's per-expert correction bias for choosing (not weighting)."""
+    """The gate, in float32 whatever the model's dtype (as the checkpoints keep it: near-tied experts must
+    not swap): router logits, and V3's per-expert correction bias for choosing (not weighting)."""
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
+        f32 = torch.float32
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=f32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=f32), requires_grad=False) \
+            if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        return torch.nn.functional.linear(x.float(), self.weight)
 
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
     stacked_params = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+    float32_weights = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # loaded as stored (the router)
 
     def make_attention(self, layer_idx: int, rotary_emb: RotaryEmbedding) -> nn.Module:
         return MLA(self.config, rotary_emb)

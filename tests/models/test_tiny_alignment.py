@@ -37,7 +37,7 @@ def test_prefill_chunks_and_decode_match_transformers(kind, tiny_model_dir):
     _assert_close(ours, _reference(hf, ids))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "gemma3", "deepseek-v3"])
 def test_mixed_flat_batch_equals_each_sequence_alone(kind, tiny_model_dir):
     """One step that mixes a first prefill chunk, a middle chunk and two decodes of four sequences."""
     path, hf = tiny_model_dir(kind)

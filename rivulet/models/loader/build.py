@@ -38,7 +38,7 @@ def load_model(cfg: ModelConfig, src: ModelSource, dtype: torch.dtype, device: t
     if cfg.load_format == "dummy":
         init_dummy_weights(model, cfg.seed)
     else:
-        weights = ckpt.weights(dtype) if ckpt else hf_weights(src, dtype)
+        weights = ckpt.weights(dtype) if ckpt else hf_weights(src, dtype, getattr(cls, "float32_weights", ()))
         try:
             loaded = model.load_weights(weights)  # type: ignore[operator]
         except RivuletError:

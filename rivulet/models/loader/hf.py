@@ -35,9 +35,11 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def hf_weights(src: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs in the checkpoint's own names, cast to `dtype`."""
+def hf_weights(src: ModelSource, dtype: torch.dtype, keep: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in the checkpoint's own names, cast to `dtype` (those whose names end with one of
+    `keep`: as stored, for parameters the model holds in float32)."""
     for f in safetensors_files(src.path):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name).to(dtype)
+                t = st.get_tensor(name)
+                yield name, t if name.endswith(keep) and keep else t.to(dtype)
