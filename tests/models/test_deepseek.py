@@ -133,3 +133,16 @@ def test_yarn_rope_and_its_score_scale_match_transformers(tmp_path):
         layer.self_attn.attn.scale = (hf.config.qk_nope_head_dim + hf.config.qk_rope_head_dim) ** -0.5
     off = teacher_forced_logits(r, ids, chunks=[40], blocks=list(range(12, 24)))
     assert (off - ref).abs().max() > 1e-2 * ref.abs().max()
+
+
+def test_bfloat16_follows_float32(tiny_model_dir):
+    """bf16 weights and activations (packed linears, the bf16 attention kernels, the float32 router): within
+    bf16 rounding of transformers in float32 at almost every position."""
+    path, hf = tiny_model_dir("deepseek-v2")
+    ids = list(range(100, 140))
+    got = teacher_forced_logits(make_runner(path, dtype="bfloat16"), ids, chunks=[23, 17], blocks=list(range(12)))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    per_position = (got.float() - ref).abs().max(-1).values
+    assert per_position.median() < 0.03 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
