@@ -99,7 +99,7 @@ class EngineCore:
                                        str(tier.disk_dir) if tier and tier.disk_dir else None)
         self.num_blocks = num_blocks
         block_bytes = self.executor.kv_bytes_per_block()
-        latent = f"; MLA latent cache, {arch.mla_cache_saving():.0f}x smaller than the heads' keys and values" \
+        latent = f"; MLA latent cache, {arch.mla_cache_saving():.1f}x smaller than the heads' keys and values" \
             if arch.is_mla else ""
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %d bytes per token%s); max_model_len %d",
                     num_blocks, bs, num_blocks * bs, num_blocks * block_bytes / 2**20, block_bytes // bs, latent,
