@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_router_args(sub.add_parser("router", help="route OpenAI requests over many servers (replicas)"))
+    from rivulet.plan.cli import add_plan_args
+
+    add_plan_args(sub.add_parser("plan", help="predict and rank the parallel layouts of a model on a cluster"))
     return parser
 
 
@@ -199,6 +202,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from rivulet.plan.cli import cmd_plan as run
+
+    return run(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     try:
         code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
-                "router": cmd_router}[a.command](a)
+                "router": cmd_router, "plan": cmd_plan}[a.command](a)
     except RivuletError as e:
         print(f"rivulet: error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ single-rank greedy tokens (float32), and the collectives move the bytes the form
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from rivulet import LLM, RivuletError, SamplingParams
+from rivulet.models.arch_config import ArchConfig
+from rivulet.plan.cost import Layout, ModelCost
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -73,6 +76,9 @@ def test_mode_equals_single_rank_and_comm_formula(kind, kw, tiny_model_dir):
         tp = kw.get("tensor_parallel_size", 1)
         if kw.get("pipeline_parallel_size", 1) == 2:  # hidden + residual of every token over the one boundary
             assert _sum(comm, "send") == sum(2 * t * H * B for t in T_STEPS)
+            cost = ModelCost(ArchConfig.from_hf(json.loads((path / "config.json").read_text())),
+                             Layout(pp=2))
+            assert _sum(comm, "send") == sum(cost.comm(0, t, len(LENS), 0, B)["send"] for t in T_STEPS)
             assert _sum(comm, "recv") == _sum(comm, "send")
             assert set().union(*comm) == {"send", "recv"}
         elif kw.get("enable_expert_parallel"):
@@ -108,6 +114,11 @@ def test_tp_all_reduce_bytes_match_formula(tiny_model_dir):
         assert _sum(comm, "all_reduce") == 2 * (1 + 2 * layers) * sum(T_STEPS) * H * B
         assert _sum(comm, "all_reduce", "calls") == 2 * (1 + 2 * layers) * len(T_STEPS)
         assert _sum(comm, "all_gather") == 2 * SAMPLED * vocab * B
+        # rivulet plan's cost model predicts these bytes exactly
+        cost = ModelCost(ArchConfig.from_hf(json.loads((path / "config.json").read_text())), Layout(tp=2))
+        predicted = [cost.comm(0, t, len(LENS), 0, B) for t in T_STEPS]
+        for kind in ("all_reduce", "all_gather"):
+            assert _sum(comm, kind) == 2 * sum(p[kind] for p in predicted)
     finally:
         llm.shutdown()
 

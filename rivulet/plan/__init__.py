@@ -1,0 +1,1 @@
+"""Planning parallel layouts: `rivulet plan` (cluster.py, cost.py, planner.py, probe.py, cli.py)."""

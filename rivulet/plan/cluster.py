@@ -1,0 +1,116 @@
+"""The cluster a plan is for: nodes of devices, their memory, bandwidth and compute, and the links between them.
+
+A cluster file (YAML)::
+
+    nodes: 2
+    devices_per_node: 8
+    device: h200            # a preset (h100, h200, a100, this-cpu) or {memory_gb, mem_bw_gbps, bf16_tflops, ...}
+    intra_node: {gbps: 900, latency_us: 2}    # per device, GB/s (NVLink)
+    inter_node: {gbps: 50, latency_us: 5}     # per device, GB/s (400 Gb/s InfiniBand)
+
+Datasheet peaks are scaled by what kernels reach (`mem_efficiency`, `compute_efficiency`); `this-cpu` is
+measured (`rivulet plan --probe`), so its efficiencies are 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from rivulet.config import RivuletError
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gb: float  # usable for weights, KV cache and activations
+    mem_bw_gbps: float  # GB/s
+    bf16_tflops: float
+    fp8_tflops: float | None = None
+    mem_efficiency: float = 0.8  # of the peak bandwidth a weight-streaming GEMM reaches
+    compute_efficiency: float = 0.6  # of the peak FLOP rate a large GEMM reaches
+    step_overhead_ms: float = 0.3  # host work and launches per step that the device waits for
+
+
+@dataclass(frozen=True)
+class Link:
+    gbps: float  # GB/s per device, each direction
+    latency_us: float
+
+
+PRESETS = {
+    "h100": Device("h100", 80, 3350, 989, 1979),
+    "h200": Device("h200", 141, 4800, 989, 1979),
+    "a100": Device("a100", 80, 2039, 312),
+}
+NVLINK, INFINIBAND = Link(900, 2), Link(50, 5)
+
+
+def probe_path() -> Path:
+    return Path(os.environ.get("RIVULET_CACHE_DIR", Path.home() / ".cache" / "rivulet")) / "this-cpu.json"
+
+
+def this_cpu() -> Device:
+    path = probe_path()
+    if not path.is_file():
+        raise RivuletError(f"device 'this-cpu' is measured, not assumed: run `rivulet plan --probe` first ({path})")
+    return Device(**json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    devices_per_node: int
+    device: Device
+    intra_node: Link = NVLINK
+    inter_node: Link = INFINIBAND
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link(self, group: int, stride: int = 1) -> Link:
+        """The link a group of `group` devices, `stride` apart, talks over: intra-node if it fits in a node."""
+        return self.intra_node if group * stride <= self.devices_per_node else self.inter_node
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Cluster:
+        try:
+            dev = d["device"]
+            if isinstance(dev, str):
+                device = this_cpu() if dev == "this-cpu" else PRESETS.get(dev)
+                if device is None:
+                    raise RivuletError(f"unknown device {dev!r}: a preset ({', '.join([*PRESETS, 'this-cpu'])}) "
+                                       "or {memory_gb, mem_bw_gbps, bf16_tflops}")
+            else:
+                known = {f.name for f in fields(Device)}
+                if bad := set(dev) - known:
+                    raise RivuletError(f"unknown device fields {sorted(bad)} (known: {', '.join(sorted(known))})")
+                device = Device(**{"name": "custom", **dev})
+            links = {k: Link(**d[k]) for k in ("intra_node", "inter_node") if k in d}
+            out = cls(int(d.get("nodes", 1)), int(d["devices_per_node"]), device, **links)
+        except KeyError as e:
+            raise RivuletError(f"the cluster lacks the field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise RivuletError(f"bad cluster description: {e}") from None
+        if out.nodes < 1 or out.devices_per_node < 1:
+            raise RivuletError("nodes and devices_per_node must be at least 1")
+        return out
+
+    @classmethod
+    def load(cls, path: str) -> Cluster:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise RivuletError(f"cannot read the cluster file {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise RivuletError(f"{path}: a cluster file is a mapping (nodes, devices_per_node, device, ...)")
+        return cls.from_dict(data)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,132 @@
+"""`rivulet plan`'s cost model against hand-computed and measured facts: parameters per device (every family,
+against transformers' own models), KV bytes per token (against the model runner's cache), collective
+payloads (hand formulas here; the measured bytes of real TP and PP runs in tests/distributed), the
+pipeline bubble, every returned layout valid, and the command's output and errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers.runner import make_runner
+from helpers.tiny import TINY_CONFIGS
+from rivulet.config import RivuletError
+from rivulet.models.arch_config import ArchConfig
+from rivulet.plan.cluster import Cluster, Device
+from rivulet.plan.cost import Layout, ModelCost, check_layout
+from rivulet.plan.planner import Predictor, SLO, Workload
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=96,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+CLUSTER = Cluster(1, 4, Device("test", memory_gb=1.0, mem_bw_gbps=100, bf16_tflops=1.0, mem_efficiency=1.0,
+                               compute_efficiency=1.0, step_overhead_ms=0.0))
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_parameters_per_device_equal_the_models_own(kind, tiny_model_dir):
+    """One rank holds every parameter of transformers' model but the norms (vectors the cost model leaves out)."""
+    path, hf = tiny_model_dir(kind)
+    arch = ArchConfig.from_hf(json.loads((path / "config.json").read_text()))
+    want = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
+    assert ModelCost(arch, Layout()).weights(0) == want
+
+
+def test_parameters_per_rank_by_hand():
+    """tp 2, pp 2 of a 4-layer Llama (4 heads of 16, 2 KV heads, MLP 96, vocab 256, untied)."""
+    arch = ArchConfig.from_hf(LLAMA)
+    c = ModelCost(arch, Layout(tp=2, pp=2))
+    layer = (2 * 64 * 64 + 2 * 64 * 32) / 2 + 3 * 64 * 96 / 2  # q, o, k, v split; gate, up, down split
+    assert c.weights(0) == 2 * layer + 256 * 64 / 2  # two layers and half the embedding
+    assert c.weights(1) == 2 * layer + 256 * 64 / 2  # ... and half the LM head
+    assert c.kv_per_token(0) == 2 * 2 * 1 * 16  # two layers: a key and a value of one KV head per rank
+    assert ModelCost(arch, Layout(tp=4)).kv_per_token(0) == 4 * 2 * 1 * 16  # 2 KV heads over 4 ranks: replicated
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek-v3"])
+def test_kv_bytes_per_token_equal_the_runners_cache(kind, tiny_model_dir):
+    path, _ = tiny_model_dir(kind)
+    arch = ArchConfig.from_hf(json.loads((path / "config.json").read_text()))
+    r = make_runner(path, block_size=4)
+    assert ModelCost(arch, Layout()).kv_per_token(0) * 4 == r.kv_bytes_per_block() // 4  # float32
+
+
+def test_collective_payloads_by_hand():
+    """T tokens, S sampled: TP all-reduces (1 + 2L) x T x H on the first stage (2L on the others), the last
+    stage all-gathers S x V logits, a stage sends hidden + residual (2 x T x H) on; 2 bytes each."""
+    arch = ArchConfig.from_hf(LLAMA)
+    c = ModelCost(arch, Layout(tp=2, pp=2))
+    assert c.comm(0, 10, 3, 0) == {"all_reduce": (1 + 2 * 2) * 10 * 64 * 2, "send": 2 * 10 * 64 * 2}
+    assert c.comm(1, 10, 3, 0) == {"all_reduce": 2 * 2 * 10 * 64 * 2, "all_gather": 3 * 256 * 2}
+    assert ModelCost(arch, Layout()).comm(0, 10, 3, 0) == {}
+
+
+def test_pipeline_bubble_and_step_parts():
+    arch = ArchConfig.from_hf(LLAMA)
+    p = Predictor(arch, CLUSTER, micro_batches=2)
+    one, two = Predictor(arch, CLUSTER).step_time(Layout(pp=2), 8, 8, 100), p.step_time(Layout(pp=2), 8, 8, 100)
+    assert one["bubble"] == pytest.approx(1 / 2) and two["bubble"] == pytest.approx(1 / 3)
+    single = Predictor(arch, CLUSTER).step_time(Layout(), 8, 8, 100)
+    assert single["bubble"] == 0 and single["comm"] == 0
+    # memory-bound decode: the weights and KV read at 100 GB/s
+    s = ModelCost(arch, Layout()).step(0, 8, 8, 100, 2)
+    assert single["memory"] == pytest.approx((s["weight_bytes"] + s["kv_bytes"]) / 100e9)
+    assert s["kv_bytes"] == 8 * 100 * 4 * 2 * 2 * 16 * 2  # tokens x context x layers x (K, V) x 2 heads x 16 x 2 B
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek-v3", "gemma2"])
+def test_every_layout_is_valid_and_fits_what_it_says(kind, tiny_model_dir):
+    path, _ = tiny_model_dir(kind)
+    arch = ArchConfig.from_hf(json.loads((path / "config.json").read_text()))
+    cluster = Cluster(2, 4, Device("small", 0.002, 100, 1.0))  # 2 MB devices: some layouts do not fit
+    preds = Predictor(arch, cluster).plan(Workload(16, 8, 4))
+    assert preds and all(check_layout(arch, Layout(p["tp"], p["pp"], p["ep"], p["dp"])) is None for p in preds)
+    assert all(p["devices"] == 8 for p in preds)
+    for p in preds:
+        assert p["fits"] == (p["weight_gb_per_device"] < 0.002 * 0.9 and p["kv_tokens_per_device"] >= 24)
+    fitting = [p for p in preds if p["fits"]]
+    assert fitting and preds[:len(fitting)] == fitting  # fitting ones first, by throughput per device
+    assert [p["throughput_per_device"] for p in fitting] == sorted((p["throughput_per_device"] for p in fitting),
+                                                                    reverse=True)
+    assert any(p["ep"] for p in preds) == arch.is_moe
+
+
+def test_slo_and_workload_parsing():
+    assert Workload.parse("in=100,out=20,concurrency=8") == Workload(100, 20, 8)
+    assert Workload.parse("in=100,out=20,rate=2.5") == Workload(100, 20, None, 2.5)
+    with pytest.raises(RivuletError, match="bad --workload item"):
+        Workload.parse("input=3")
+    assert SLO.parse("ttft=200,tpot=50") == SLO(200, 50)
+    arch = ArchConfig.from_hf(LLAMA)
+    tight = Predictor(arch, CLUSTER).plan(Workload(64, 16, 4), SLO(tpot_ms=1e-6))
+    assert not any(p["meets_slo"] for p in tight)
+    with pytest.raises(RivuletError, match="not valid for this model: tp 3"):
+        ModelCost(arch, Layout(tp=3))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rivulet.entrypoints.cli", "plan", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_command_json_and_errors(tmp_path):
+    (tmp_path / "c.yaml").write_text("nodes: 2\ndevices_per_node: 8\ndevice: h200\n")
+    (tmp_path / "m.json").write_text(json.dumps({**LLAMA, "vocab_size": 128256, "hidden_size": 4096,
+                                                 "intermediate_size": 14336, "num_hidden_layers": 32,
+                                                 "num_attention_heads": 32, "num_key_value_heads": 8}))
+    out = _run("--model", str(tmp_path / "m.json"), "--cluster", str(tmp_path / "c.yaml"), "--workload",
+               "in=512,out=128,concurrency=32", "--slo", "tpot=50", "--json", str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stderr
+    assert "Best: tp" in out.stdout and "bound by" in out.stdout
+    layouts = json.loads((tmp_path / "p.json").read_text())["layouts"]
+    need = {"tp", "pp", "ep", "dp", "devices", "weight_gb_per_device", "kv_tokens_per_device", "fits", "ttft_ms",
+            "tpot_ms", "throughput_tok_s", "binding"}
+    assert layouts and all(need <= set(p) for p in layouts) and layouts[0]["meets_slo"]
+    assert {p["tp"] for p in layouts} == {1, 2, 4, 8, 16}  # 8 KV heads: tp 16 replicates them
+    (tmp_path / "bad.yaml").write_text("nodes: 1\ndevice: tpu9\ndevices_per_node: 4\n")
+    bad = _run("--model", str(tmp_path / "m.json"), "--cluster", str(tmp_path / "bad.yaml"))
+    assert bad.returncode == 2 and "unknown device 'tpu9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = _run("--model", str(tmp_path / "m.json"), "--cluster", str(tmp_path / "none.yaml"))
+    assert missing.returncode == 2 and "cannot read the cluster file" in missing.stderr
