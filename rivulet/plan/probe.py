@@ -34,7 +34,7 @@ def probe(write: bool = True) -> Device:
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
-    k, n = 2048, 8192  # a 32 MiB bf16 weight: past the caches
+    k, n = 4096, 16384  # a 128 MiB bf16 weight: well past the caches
     weight = torch.randn(n, k, dtype=dtype) * 0.02
     packed = get_op("pack_linear_weight")(weight)
     linear = get_op("packed_linear")

@@ -130,3 +130,15 @@ def test_plan_command_json_and_errors(tmp_path):
     assert bad.returncode == 2 and "unknown device 'tpu9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     missing = _run("--model", str(tmp_path / "m.json"), "--cluster", str(tmp_path / "none.yaml"))
     assert missing.returncode == 2 and "cannot read the cluster file" in missing.stderr
+
+
+def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    (tmp_path / "c.yaml").write_text("devices_per_node: 2\ndevice: this-cpu\n")
+    with pytest.raises(RivuletError, match="run `rivulet plan --probe` first"):
+        Cluster.load(str(tmp_path / "c.yaml"))
+    from rivulet.plan.probe import probe
+
+    dev = probe()
+    assert dev.mem_bw_gbps > 0.5 and dev.bf16_tflops > 0.005 and 0 < dev.step_overhead_ms < 1000
+    assert Cluster.load(str(tmp_path / "c.yaml")).device == dev
