@@ -22,12 +22,13 @@ from rivulet import LLM, SamplingParams
 from rivulet.bench.offline import machine_info
 from rivulet.models.arch_config import ArchConfig
 from rivulet.plan.cli import model_config
-from rivulet.plan.cluster import Cluster
+from rivulet.plan.cluster import Cluster, Link
 from rivulet.plan.cost import Layout
 from rivulet.plan.planner import Predictor
 from rivulet.plan.probe import probe
 
 IN, OUT = 128, 48
+GLOO = Link(gbps=5, latency_us=50)  # ranks on one machine: gloo over loopback (an assumption, not probed)
 
 
 def measure(kwargs: dict[str, Any], batch: int) -> tuple[float, float]:
@@ -72,7 +73,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         device = probe(write=False)
         torch.set_num_threads(cores)
-        predictor = Predictor(arch, Cluster(1, devices, device))
+        predictor = Predictor(arch, Cluster(1, devices, device, intra_node=GLOO))
         for batch in [int(b) for b in a.batches.split(",")]:
             decode, prefill = measure(kwargs, batch)
             want_decode = predictor.step_time(layout, batch, batch, IN + OUT / 2)["time"]

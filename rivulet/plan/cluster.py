@@ -15,6 +15,7 @@ measured (`rivulet plan --probe`), so its efficiencies are 1.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -32,7 +33,26 @@ class Device:
     fp8_tflops: float | None = None
     mem_efficiency: float = 0.8  # of the peak bandwidth a weight-streaming GEMM reaches
     compute_efficiency: float = 0.6  # of the peak FLOP rate a large GEMM reaches
-    step_overhead_ms: float = 0.3  # host work and launches per step that the device waits for
+    step_overhead_ms: float = 0.3  # host work per step that the device waits for
+    layer_overhead_ms: float = 0.0  # per layer and step: op launches and small ops (CUDA graphs: ~0)
+    seq_overhead_ms: float = 0.0  # per sequence and step: scheduling, sampling, outputs
+    gemm_call_us: float = 0.0  # per GEMM call beyond its bytes and FLOPs (thread sync, prefetch ramp)
+    gemm_tflops: dict[int, float] | None = None  # measured: the FLOP rate a GEMM of that many rows reaches
+
+    def flop_rate(self, rows: int, fp8: bool = False) -> float:
+        """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak
+        times the compute efficiency."""
+        if self.gemm_tflops and not fp8:
+            pts = sorted((int(r), t) for r, t in self.gemm_tflops.items())
+            if rows <= pts[0][0]:
+                return pts[0][1] * 1e12
+            for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+                if rows <= r1:
+                    f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                    return (t0 + f * (t1 - t0)) * 1e12
+            return pts[-1][1] * 1e12
+        peak = self.fp8_tflops if fp8 and self.fp8_tflops else self.bf16_tflops
+        return peak * 1e12 * self.compute_efficiency
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,10 @@ def this_cpu() -> Device:
     path = probe_path()
     if not path.is_file():
         raise RivuletError(f"device 'this-cpu' is measured, not assumed: run `rivulet plan --probe` first ({path})")
-    return Device(**json.loads(path.read_text()))
+    fields_ = json.loads(path.read_text())
+    if fields_.get("gemm_tflops"):
+        fields_["gemm_tflops"] = {int(r): t for r, t in fields_["gemm_tflops"].items()}
+    return Device(**fields_)
 
 
 @dataclass(frozen=True)

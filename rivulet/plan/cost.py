@@ -122,11 +122,12 @@ class ModelCost:
     def step(self, stage: int, tokens: int, sampled: int, context: float, weight_bytes: float,
              act_bytes: int = 2) -> dict[str, float]:
         """One rank of `stage` on a step of `tokens` tokens, `sampled` of which get logits, attending over
-        `context` cached tokens on average per token: FLOPs, bytes read (weights, KV), collective payloads."""
+        `context` cached tokens on average per token: FLOPs of the weights' GEMMs and of attention, bytes
+        read (weights, KV), collective payloads."""
         a, tp, lay = self.a, self.lay.tp, self.lay
         h = a.hidden_size
         layers = self.stage_layers(stage)
-        flops = read = 0.0
+        flops = attn_flops = read = 0.0
         moe_layers = 0
         for i in layers:
             attn = self.attn_params()
@@ -134,7 +135,7 @@ class ModelCost:
             read += attn * weight_bytes
             heads = a.num_attention_heads / tp
             per_head = (2 * a.kv_lora_rank + a.head_dim) if a.is_mla else 2 * a.head_dim
-            flops += 2 * tokens * context * heads * per_head  # scores and the weighted sum
+            attn_flops += 2 * tokens * context * heads * per_head  # scores and the weighted sum
             if a.is_sparse_layer(i):
                 moe_layers += 1
                 k = a.num_experts_per_tok
@@ -157,8 +158,24 @@ class ModelCost:
             read += self.vocab_h / tp * weight_bytes
         kv_read = tokens * context * self.kv_per_token_layer * len(layers) * act_bytes if tokens == sampled else \
             sampled * context * self.kv_per_token_layer * len(layers) * act_bytes  # prefill: each sequence's once
-        return {"flops": flops, "weight_bytes": read, "kv_bytes": kv_read,
+        return {"flops": flops, "attn_flops": attn_flops, "weight_bytes": read, "kv_bytes": kv_read,
+                "gemm_calls": self.gemm_calls(stage, tokens),
                 **self.comm(stage, tokens, sampled, moe_layers, act_bytes)}
+
+    def gemm_calls(self, stage: int, tokens: int) -> float:
+        """GEMMs one rank of `stage` launches in a step: per layer the attention's (fused q/k/v and o; MLA's
+        query, latent, two absorbed and o) and the MLP's (gate/up and down; a MoE layer's router, two per expert
+        hit and the shared experts'), plus the LM head."""
+        a = self.a
+        attn = (4 + (a.q_lora_rank is not None)) if a.is_mla else 2
+        calls = 0.0
+        for i in self.stage_layers(stage):
+            if a.is_sparse_layer(i):
+                hit = self.experts_hit(tokens) / (self.lay.tp if self.lay.ep else 1)
+                calls += attn + 1 + 2 * hit + 2 * (a.n_shared_experts > 0)
+            else:
+                calls += attn + 2
+        return calls + (stage == self.lay.pp - 1)
 
     def comm(self, stage: int, tokens: int, sampled: int, moe_layers: int, b: int = 2) -> dict[str, float]:
         """Payload bytes one rank of `stage` puts into each kind of collective in one step (what

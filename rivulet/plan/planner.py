@@ -1,8 +1,10 @@
 """`rivulet plan`: every parallel layout of a model on a cluster, predicted, then ranked.
 
-Per stage, a step's time is the roofline of its FLOPs and its bytes read (weights, KV cache), plus its
+Per stage, a step's time is the roofline of its GEMMs (FLOPs against the weights' bytes) plus the roofline
+of its attention (FLOPs against the KV bytes), which run one after the other, plus its
 collectives (ring all-reduce / all-gather, pairwise all-to-all, one send to the next stage: latency per
-hop plus wire bytes over the link's bandwidth) and the host's per-step overhead. Pipeline stages run
+hop plus wire bytes over the link's bandwidth), each layer's launch overhead and the host's per-step
+overhead (measured on this-cpu, ~0 on GPUs with CUDA graphs). Pipeline stages run
 micro-batches: a step takes (M + pp - 1) / M slowest-stage times. At the workload (input and output
 lengths, concurrency or an arrival rate) a replica decodes min(its share of the concurrency, what its
 KV cache holds) sequences: TPOT is that decode step, TTFT the prefill of one prompt plus one decode
@@ -92,9 +94,14 @@ class Predictor:
     def _stage_time(self, cost: ModelCost, stage: int, tokens: int, sampled: int, context: float) -> dict[str, float]:
         d, c, lay = self.cluster.device, self.cluster, cost.lay
         s = cost.step(stage, tokens, sampled, context, self.weight_bytes)
-        tflops = d.fp8_tflops if self.dtype == "fp8" else d.bf16_tflops
-        compute = s["flops"] / (tflops * 1e12 * d.compute_efficiency)
-        memory = (s["weight_bytes"] + s["kv_bytes"]) / (d.mem_bw_gbps * 1e9 * d.mem_efficiency)
+        # the GEMMs over the weights and the attention over the KV cache run one after the other: a roofline each
+        bw = d.mem_bw_gbps * 1e9 * d.mem_efficiency
+        gemm_compute, gemm_memory = s["flops"] / d.flop_rate(tokens, self.dtype == "fp8"), s["weight_bytes"] / bw
+        attn_compute, attn_memory = s["attn_flops"] / d.flop_rate(tokens), s["kv_bytes"] / bw
+        compute = max(gemm_compute, gemm_memory) if gemm_compute >= gemm_memory else 0.0
+        compute += attn_compute if attn_compute >= attn_memory else 0.0
+        memory = (gemm_memory if gemm_memory > gemm_compute else 0.0) + (attn_memory if attn_memory > attn_compute else 0.0)
+        launches = len(cost.stage_layers(stage)) * d.layer_overhead_ms * 1e-3 + s["gemm_calls"] * d.gemm_call_us * 1e-6
         comm = 0.0
         tp_link = c.link(lay.tp)
         for kind, payload in s.items():
@@ -107,7 +114,8 @@ class Predictor:
             elif kind == "send":
                 link = c.link(2, stride=lay.tp)
                 comm += self.micro_batches * link.latency_us * 1e-6 + payload / (link.gbps * 1e9)
-        return {"compute": compute, "memory": memory, "comm": comm, "time": max(compute, memory) + comm,
+        return {"compute": compute, "memory": memory, "comm": comm, "launches": launches,
+                "time": compute + memory + comm + launches,
                 "comm_bytes": sum(v for k, v in s.items() if k in ("all_reduce", "all_gather", "all_to_all", "send"))}
 
     def step_time(self, lay: Layout, tokens: int, sampled: int, context: float) -> dict[str, float]:
@@ -117,9 +125,12 @@ class Predictor:
         slowest = max(stages, key=lambda x: x["time"])
         m = max(1, min(self.micro_batches, sampled))
         pipeline = (m + lay.pp - 1) / m
-        overhead = self.cluster.device.step_overhead_ms * 1e-3
-        return {**slowest, "time": slowest["time"] * pipeline + overhead, "bubble": (lay.pp - 1) / (m + lay.pp - 1),
-                "pipeline_extra": slowest["time"] * (pipeline - 1), "overhead": overhead}
+        d = self.cluster.device
+        host = (d.step_overhead_ms + d.seq_overhead_ms * sampled) * 1e-3
+        overhead = host + slowest["launches"]
+        return {**slowest, "time": slowest["time"] * pipeline + host,
+                "bubble": (lay.pp - 1) / (m + lay.pp - 1), "pipeline_extra": slowest["time"] * (pipeline - 1),
+                "overhead": overhead}
 
     # ---- at the workload ----
 
@@ -148,10 +159,8 @@ class Predictor:
                 concurrency = max(1, math.ceil(w.rate * latency))
         cycle = batch * prefill["time"] + w.output_len * decode["time"]
         throughput = lay.dp * batch * w.output_len / cycle
-        parts = {"compute": decode["compute"] if decode["compute"] >= decode["memory"] else 0.0,
-                 "memory bandwidth": decode["memory"] if decode["memory"] > decode["compute"] else 0.0,
-                 "communication": decode["comm"], "pipeline bubble": decode["pipeline_extra"],
-                 "host overhead": decode["overhead"]}
+        parts = {"compute": decode["compute"], "memory bandwidth": decode["memory"], "communication": decode["comm"], "pipeline bubble": decode["pipeline_extra"],
+                 "host and launch overhead": decode["overhead"]}
         binding = max(parts, key=parts.__getitem__)
         if batch < math.ceil(concurrency / lay.dp):
             binding = "memory capacity"  # the KV cache holds fewer sequences than the workload has
@@ -182,7 +191,8 @@ def explain(best: dict[str, Any], workload: Workload) -> str:
              f"{best['kv_tokens_per_device']} tokens ({best['kv_tokens_per_device'] // (workload.input_len + workload.output_len)}"
              f" sequences of {workload.input_len}+{workload.output_len}).",
              f"A decode step: compute {d['compute']:.3f} ms, memory {d['memory']:.3f} ms, communication "
-             f"{d['comm']:.3f} ms, pipeline {d['pipeline_extra']:.3f} ms, host {d['overhead']:.3f} ms; bound by "
+             f"{d['comm']:.3f} ms, pipeline {d['pipeline_extra']:.3f} ms, host and launches {d['overhead']:.3f} ms; "
+             f"bound by "
              f"{best['binding']}."]
     if not best.get("meets_slo", True):
         lines.append("No layout meets the SLO; this is the fastest one that fits.")

@@ -1,9 +1,11 @@
 """`rivulet plan --probe`: measure this machine as a planning device (`this-cpu`), in a few seconds.
 
 What a step runs is what is timed: Rivulet's own bf16 linear kernel (the packed weights it serves with) on a
-decode-shaped input, whose weight streaming gives the bandwidth a decode step sees, and on a prefill-shaped
-input, which gives the FLOP rate; plus the fixed time of one engine step of a tiny model (host work,
-sampling), which is what a step costs beyond its arithmetic. The efficiencies are 1: these are reached,
+decode-shaped input, whose weight streaming gives the bandwidth a decode step sees (and 48 layer-sized weights
+one after another, what each GEMM call costs beyond its bytes), and at more rows up to a
+prefill chunk, which gives the FLOP rate it reaches at each batch size (`gemm_tflops`); plus the fixed time of
+engine steps of tiny models of 1 and 9 layers, which is what a step, and each layer, cost beyond their
+arithmetic (host work, sampling, op launches and small ops). The efficiencies are 1: these are reached,
 not peak, figures.
 """
 
@@ -11,9 +13,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from rivulet.plan.cluster import Device, probe_path
+
+GEMM_ROWS = (1, 4, 16, 64, 256)  # rows of the timed GEMMs: decode batches to prefill chunks
 
 
 def _best(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -36,20 +40,33 @@ def probe(write: bool = True) -> Device:
     dtype = torch.bfloat16
     k, n = 4096, 16384  # a 128 MiB bf16 weight: well past the caches
     weight = torch.randn(n, k, dtype=dtype) * 0.02
-    packed = get_op("pack_linear_weight")(weight)
+    pack = get_op("pack_linear_weight")
+    packed = pack(weight)
     linear = get_op("packed_linear")
 
     def mm(x: torch.Tensor) -> Callable[[], object]:
         return (lambda: linear(x, packed, None)) if packed is not None else (lambda: torch.nn.functional.linear(x, weight))
 
+    # 48 layer-sized weights (4 MiB each) streamed one call after another: what each call costs beyond its bytes
+    small = [pack(torch.randn(2048, 1024, dtype=dtype) * 0.02) if packed is not None else
+             torch.randn(2048, 1024, dtype=dtype) * 0.02 for _ in range(48)]
+    x_small = torch.randn(1, 1024, dtype=dtype)
+
+    def stream() -> None:
+        for w in small:
+            linear(x_small, w, None) if packed is not None else torch.nn.functional.linear(x_small, w)
+
     with torch.inference_mode():
         decode = _best(mm(torch.randn(1, k, dtype=dtype)), 20)
-        prefill = _best(mm(torch.randn(512, k, dtype=dtype)), 5)
+        streamed = _best(stream, 5)
+        curve = {rows: round(2 * rows * k * n / _best(mm(torch.randn(rows, k, dtype=dtype)), 5) / 1e12, 4)
+                 for rows in GEMM_ROWS}
     bandwidth = weight.numel() * weight.element_size() / decode / 1e9
-    tflops = 2 * 512 * k * n / prefill / 1e12
-    overhead = _step_overhead_ms()
+    call_us = max(0.0, (streamed - 48 * 2048 * 1024 * 2 / (bandwidth * 1e9)) / 48 * 1e6)
+    step, layer, seq = _step_overhead_ms()
     memory = current_platform().free_memory_bytes() / 1e9
-    dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), round(tflops, 4), None, 1.0, 1.0, round(overhead, 3))
+    dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
+                 round(layer, 4), round(seq, 4), round(call_us, 2), curve)
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,39 +74,50 @@ def probe(write: bool = True) -> Device:
     return dev
 
 
-def _step_overhead_ms() -> float:
-    """A one-token decode step of a 1-layer, 64-wide model: nearly all host work (inputs, sampling, outputs)."""
+def _step_overhead_ms() -> tuple[float, float, float]:
+    """(ms per step, per layer, per sequence) of work that does not scale with the arithmetic: decode steps of
+    64-wide models of 1 and 9 layers, one sequence and 32 (host work, sampling and outputs; each layer's op
+    launches and small ops; each sequence's share of scheduling, sampling and output processing)."""
     import tempfile
 
     from rivulet.engine.llm import LLM
     from rivulet.sampling_params import SamplingParams
 
-    with tempfile.TemporaryDirectory() as d:
-        _tiny_checkpoint(d)
-        llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=16)
-        params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
-        elapsed = time.perf_counter() - t
-        llm.shutdown()
-    return elapsed / 33 * 1e3
+    per_step = {}
+    for layers, seqs in ((1, 1), (9, 1), (1, 32)):
+        with tempfile.TemporaryDirectory() as d:
+            _tiny_checkpoint(d, layers)
+            llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, max_num_seqs=seqs)
+            params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+            _timed(llm, params, seqs)
+            per_step[layers, seqs] = min(_timed(llm, params, seqs) for _ in range(3)) / 33 * 1e3
+            llm.shutdown()
+    layer = max(0.0, (per_step[9, 1] - per_step[1, 1]) / 8)
+    seq = max(0.0, (per_step[1, 32] - per_step[1, 1]) / 31)
+    return max(0.0, per_step[1, 1] - layer - seq), layer, seq
 
 
-def _tiny_checkpoint(path: str) -> None:
+def _timed(llm: Any, params: Any, seqs: int) -> float:
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": [1, 2, 3 + i]} for i in range(seqs)], params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def _tiny_checkpoint(path: str, layers: int) -> None:
     import torch
     from safetensors.torch import save_file
 
     h, v = 64, 256
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": v, "hidden_size": h, "intermediate_size": 128,
-           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+           "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
            "max_position_embeddings": 64, "eos_token_id": 0}
     g = torch.Generator().manual_seed(0)
-    w = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,),
-         "model.layers.0.input_layernorm.weight": (h,), "model.layers.0.post_attention_layernorm.weight": (h,),
-         **{f"model.layers.0.self_attn.{p}_proj.weight": (h, h) for p in "qkvo"},
-         "model.layers.0.mlp.gate_proj.weight": (128, h), "model.layers.0.mlp.up_proj.weight": (128, h),
-         "model.layers.0.mlp.down_proj.weight": (h, 128)}
+    w = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        w |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+              **{f"{p}.self_attn.{x}_proj.weight": (h, h) for x in "qkvo"},
+              f"{p}.mlp.gate_proj.weight": (128, h), f"{p}.mlp.up_proj.weight": (128, h), f"{p}.mlp.down_proj.weight": (h, 128)}
     save_file({name: torch.randn(shape, generator=g) * 0.1 for name, shape in w.items()}, f"{path}/model.safetensors")
     with open(f"{path}/config.json", "w") as f:
         json.dump(cfg, f)
