@@ -70,6 +70,9 @@ NVLINK, INFINIBAND = Link(900, 2), Link(50, 5)
 
 
 def probe_path() -> Path:
+    """Where `rivulet plan --probe` writes this machine's figures ($RIVULET_THIS_CPU, else the cache folder)."""
+    if os.environ.get("RIVULET_THIS_CPU"):
+        return Path(os.environ["RIVULET_THIS_CPU"])
     return Path(os.environ.get("RIVULET_CACHE_DIR", Path.home() / ".cache" / "rivulet")) / "this-cpu.json"
 
 

@@ -2,8 +2,8 @@
 
 What a step runs is what is timed: Rivulet's own bf16 linear kernel (the packed weights it serves with) on a
 decode-shaped input, whose weight streaming gives the bandwidth a decode step sees (and 48 layer-sized weights
-one after another, what each GEMM call costs beyond its bytes), and at more rows up to a
-prefill chunk, which gives the FLOP rate it reaches at each batch size (`gemm_tflops`); plus the fixed time of
+one after another, what each GEMM call costs beyond its bytes; the same at more rows up to a prefill
+chunk, the FLOP rate reached at each batch size, `gemm_tflops`); plus the fixed time of
 engine steps of tiny models of 1 and 9 layers, which is what a step, and each layer, cost beyond their
 arithmetic (host work, sampling, op launches and small ops). The efficiencies are 1: these are reached,
 not peak, figures.
@@ -52,21 +52,23 @@ def probe(write: bool = True) -> Device:
              torch.randn(2048, 1024, dtype=dtype) * 0.02 for _ in range(48)]
     x_small = torch.randn(1, 1024, dtype=dtype)
 
-    def stream() -> None:
-        for w in small:
-            linear(x_small, w, None) if packed is not None else torch.nn.functional.linear(x_small, w)
+    def stream(x: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            for w in small:
+                linear(x, w, None) if packed is not None else torch.nn.functional.linear(x, w)
+        return run
 
     with torch.inference_mode():
         decode = _best(mm(torch.randn(1, k, dtype=dtype)), 20)
-        streamed = _best(stream, 5)
-        curve = {rows: round(2 * rows * k * n / _best(mm(torch.randn(rows, k, dtype=dtype)), 5) / 1e12, 4)
-                 for rows in GEMM_ROWS}
-    bandwidth = weight.numel() * weight.element_size() / decode / 1e9
-    call_us = max(0.0, (streamed - 48 * 2048 * 1024 * 2 / (bandwidth * 1e9)) / 48 * 1e6)
+        bandwidth = weight.numel() * weight.element_size() / decode / 1e9
+        call_s = max(0.0, (_best(stream(x_small), 5) - 48 * 2048 * 1024 * 2 / (bandwidth * 1e9)) / 48)
+        # the FLOP rate by rows, the calls' fixed cost taken out (the planner adds it per call)
+        curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _best(stream(torch.randn(rows, 1024, dtype=dtype)), 3)
+                                                                - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
     step, layer, seq = _step_overhead_ms()
     memory = current_platform().free_memory_bytes() / 1e9
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
-                 round(layer, 4), round(seq, 4), round(call_us, 2), curve)
+                 round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve)
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,7 @@ def test_plan_command_json_and_errors(tmp_path):
 
 
 def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RIVULET_THIS_CPU", str(tmp_path / "this-cpu.json"))  # not the cache folder: the C++ build lives there
     (tmp_path / "c.yaml").write_text("devices_per_node: 2\ndevice: this-cpu\n")
     with pytest.raises(RivuletError, match="run `rivulet plan --probe` first"):
         Cluster.load(str(tmp_path / "c.yaml"))
