@@ -692,15 +692,15 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 
-// y[tok[g], o0:o0+n] += sum_r t[g, r] * b[r, o0:o0+n] for a group of up to 4 tokens of one adapter
-// (n <= 128): 8 vectors of columns per token held in registers, each load of b shared by the group.
-// Rows [r0, r1) only: a fused layer's B^T is block-diagonal (projection i's rank rows touch its columns
-// alone), so the caller passes the rows of the projections this block of columns meets.
+// y[tok[g], o0:o1] += sum_r t[g, r] * b[r, o0:o1] for a group of up to 4 tokens of one adapter, rows [r0, r1),
+// o1 - o0 <= 64: 4 vectors of columns per token in registers (16 accumulators: no spills), each load of b
+// shared by the group. y is rounded once.
 template <typename Ty>
-inline void lora_expand_block(Ty* y, int64_t ystride, int64_t o0, int64_t n, const int64_t* tok, int64_t G,
+inline void lora_expand_block(Ty* y, int64_t ystride, int64_t o0, int64_t o1, const int64_t* tok, int64_t G,
                               const float* t, int64_t rows, int64_t r0, int64_t r1, const Ty* b, int64_t bstride) {
+  const int64_t n = o1 - o0;
 #ifdef __AVX512F__
-  constexpr int V = 8;
+  constexpr int V = 4;
   __m512 acc[4][V];
   __mmask16 m[V];
   for (int v = 0; v < V; ++v) m[v] = n > v * 16 ? tail_mask(n - v * 16) : __mmask16(0);
@@ -708,12 +708,11 @@ inline void lora_expand_block(Ty* y, int64_t ystride, int64_t o0, int64_t n, con
     for (int v = 0; v < V; ++v) acc[g][v] = load16(y + tok[g] * ystride + o0 + v * 16, m[v]);
   for (int64_t r = r0; r < r1; ++r) {
     const Ty* br = b + r * bstride + o0;
-    __m512 tv[4];
-    for (int64_t g = 0; g < G; ++g) tv[g] = _mm512_set1_ps(t[g * rows + r]);
-    for (int v = 0; v < V; ++v) {
-      if (!m[v]) break;
-      const __m512 bv = load16(br + v * 16, m[v]);
-      for (int64_t g = 0; g < G; ++g) acc[g][v] = _mm512_fmadd_ps(tv[g], bv, acc[g][v]);
+    __m512 bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = load16(br + v * 16, m[v]);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 tv = _mm512_set1_ps(t[g * rows + r]);
+      for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(tv, bv[v], acc[g][v]);
     }
   }
   for (int64_t g = 0; g < G; ++g)
@@ -731,13 +730,34 @@ inline void lora_expand_block(Ty* y, int64_t ystride, int64_t o0, int64_t n, con
 #endif
 }
 
+// t[g] = a . xf[g] for a group of up to 4 tokens (xf: their rows, already in float), each load of a shared by
+// the group; per token the same sums, in the same order, as dot_same.
+template <typename Ty>
+inline void lora_shrink_row(const Ty* a, const float* xf, int64_t G, int64_t IN, float* out, int64_t ostride) {
+#ifdef __AVX512F__
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t d = 0; d < IN; d += 16) {
+    const __mmask16 m = tail_mask(IN - d);
+    const __m512 av = load16(a + d, m);
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, xf + g * IN + d), acc[g]);
+  }
+  for (int64_t g = 0; g < G; ++g) out[g * ostride] = _mm512_reduce_add_ps(acc[g]);
+#else
+  for (int64_t g = 0; g < G; ++g) {
+    float acc = 0.f;
+    for (int64_t d = 0; d < IN; ++d) acc += f32(a[d]) * xf[g * IN + d];
+    out[g * ostride] = acc;
+  }
+#endif
+}
+
 // LoRA of a batch mixing adapters, in place: y[i] += B_s (A_s x[i]) for each token i of slot s = slots[i]
 // (-1: the base model, untouched). a [S, R, in] and bt [S, R, out] (B transposed, scaled) in y's dtype;
 // only the first `rows` rank rows are read. One call per layer whatever the number of adapters. The
 // adapters' weights are cold in a decode step (the base weights stream through the caches between
 // layers), so each is read once per group of up to 4 tokens of one adapter: t = A_s[:rows] x (each row
-// of A against the group's tokens, parallel over groups x rows), then y += t B_s^T (parallel over blocks
-// of 128 columns, accumulated in registers, `lora_expand_block`). y is rounded once.
+// of A against the group's tokens, loaded once for the group, `lora_shrink_row`; parallel over groups x
+// rows), then y += t B_s^T (parallel over blocks of 64 columns held in registers, `lora_expand_block`).
 //
 // A fused layer (q/k/v, gate/up) passes `bounds`, its projections' first columns and its width, and
 // `ranks`, each slot's adapter rank r: projection i's rows are [i r, (i + 1) r), the only ones read for
@@ -773,32 +793,50 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
     const Ty* ap = a.data_ptr<Ty>();
     const Ty* bp = bt.data_ptr<Ty>();
     Ty* yp = y.data_ptr<Ty>();
-    at::parallel_for(0, NG * rows, 8, [&](int64_t j0, int64_t j1) {
+    std::vector<float> xf(order.size() * IN);  // the adapter tokens' rows in float, in `order`
+    for (size_t k = 0; k < order.size(); ++k) {
+      const Ty* src = xp + order[k] * IN;
+      float* dst = xf.data() + k * IN;
+#ifdef __AVX512F__
+      for (int64_t d = 0; d < IN; d += 16) {
+        const __mmask16 m = tail_mask(IN - d);
+        _mm512_mask_storeu_ps(dst + d, m, load16(src + d, m));
+      }
+#else
+      for (int64_t d = 0; d < IN; ++d) dst[d] = f32(src[d]);
+#endif
+    }
+    at::parallel_for(0, NG * rows, 16, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const auto [g0, g1] = groups[j / rows];
         const int64_t r = j % rows;
-        const Ty* arow = ap + (sp[order[g0]] * R + r) * IN;
-        for (int64_t k = g0; k < g1; ++k) t[k * rows + r] = dot_same(arow, xp + order[k] * IN, IN);
+        lora_shrink_row<Ty>(ap + (sp[order[g0]] * R + r) * IN, xf.data() + g0 * IN, g1 - g0, IN,
+                            t.data() + g0 * rows + r, rows);
       }
     });
-    constexpr int64_t BLOCK = 128;
+    // blocks of 64 columns; a fused layer's block meets one or two projections, each read with its rank rows
+    constexpr int64_t BLOCK = 64;
     const int64_t blocks = (OUT + BLOCK - 1) / BLOCK;
+    const int64_t nproj = int64_t(bounds.size()) - 1;
     at::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
-        const int64_t o0 = c * BLOCK, n = std::min(BLOCK, OUT - o0);
+        const int64_t o0 = c * BLOCK, o1 = std::min(OUT, o0 + BLOCK);
         for (const auto& [g0, g1] : groups) {
           const int64_t s = sp[order[g0]];
-          int64_t r0 = 0, r1 = rows;
-          if (bounds.size() > 2 && ranks[s] > 0) {  // the projections this block meets: first and last
+          const int64_t* tok = order.data() + g0;
+          const float* tg = t.data() + g0 * rows;
+          const Ty* bs = bp + s * R * OUT;
+          if (nproj > 1 && ranks[s] > 0) {
             const int64_t rk = ranks[s];
-            int64_t i0 = 0, i1 = 0;
-            while (i0 + 1 < int64_t(bounds.size()) - 1 && bounds[i0 + 1] <= o0) ++i0;
-            i1 = i0;
-            while (i1 + 1 < int64_t(bounds.size()) - 1 && bounds[i1 + 1] < o0 + n) ++i1;
-            r0 = std::min(rows, i0 * rk), r1 = std::min(rows, (i1 + 1) * rk);
+            for (int64_t i = 0; i < nproj; ++i) {
+              const int64_t lo = std::max(o0, bounds[i]), hi = std::min(o1, bounds[i + 1]);
+              if (lo < hi && i * rk < rows)
+                lora_expand_block<Ty>(yp, OUT, lo, hi, tok, g1 - g0, tg, rows, i * rk, std::min(rows, (i + 1) * rk),
+                                      bs, OUT);
+            }
+          } else {
+            lora_expand_block<Ty>(yp, OUT, o0, o1, tok, g1 - g0, tg, rows, 0, rows, bs, OUT);
           }
-          lora_expand_block<Ty>(yp, OUT, o0, n, order.data() + g0, g1 - g0, t.data() + g0 * rows, rows, r0, r1,
-                                bp + s * R * OUT, OUT);
         }
       }
     });
