@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from helpers.paged import scattered_batch
 from rivulet.kernels import paged_attention_ref
 from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
@@ -16,7 +17,6 @@ from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import int8_linear_ref, quantize_int8_weight
 from rivulet.kernels.rotary import apply_rotary_ref, rope_cos_sin_cache
-from rivulet.worker.batch import SeqChunk, build_flat_batch
 
 ext = load_cpu_ext()
 # skipped only where the extension is not meant to exist; a compiler whose build failed fails the tests
@@ -130,17 +130,7 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int
     spec = [(20, 1), (0, 1), (3, 4), (47, 1), (16, 1)]  # decodes around a prefill chunk
     if many:
         spec += [(c, 1) for c in (5, 33, 2, 17, 64, 9, 1, 40, 11, 28, 7)]
-    g = torch.Generator().manual_seed(0)
-    num_blocks = sum(-(-(c + n) // bs) for c, n in spec) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    chunks = []
-    for cached, new in spec:
-        nb = -(-(cached + new) // bs)
-        chunks.append(SeqChunk([0] * new, cached, perm[:nb]))
-        perm = perm[nb:]
-    meta = build_flat_batch(chunks, bs, torch.device("cpu")).meta
-    cache = randn(2, num_blocks, bs, hk, d, dtype=dtype, seed=1)
-    q = randn(len(meta.slot_mapping), hq, d, dtype=dtype, seed=2)
+    meta, cache, q = _paged_batch(spec, bs, hq, hk, d, dtype)
     got = paged_attention_cpu(q, cache, meta, d**-0.5, window)
     want = paged_attention_ref(q, cache, meta, d**-0.5, window)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
@@ -149,15 +139,7 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int
 
 def _paged_batch(spec: list[tuple[int, int]], bs: int, hq: int, hk: int, d: int, dtype: torch.dtype):
     """A flat batch of (cached, new) chunks over scattered pages, a random cache and queries."""
-    g = torch.Generator().manual_seed(0)
-    num_blocks = sum(-(-(c + n) // bs) for c, n in spec) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    chunks = []
-    for cached, new in spec:
-        nb = -(-(cached + new) // bs)
-        chunks.append(SeqChunk([0] * new, cached, perm[:nb]))
-        perm = perm[nb:]
-    meta = build_flat_batch(chunks, bs, torch.device("cpu")).meta
+    meta, num_blocks = scattered_batch(spec, bs)
     cache = randn(2, num_blocks, bs, hk, d, dtype=dtype, seed=1)
     q = randn(len(meta.slot_mapping), hq, d, dtype=dtype, seed=2)
     return meta, cache, q

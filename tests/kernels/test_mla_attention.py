@@ -7,26 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.paged import scattered_batch
 from rivulet.kernels import paged_attention_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.cpu.attention import paged_attention_cpu
 from rivulet.layers.attention import MLAAttention
-from rivulet.worker.batch import SeqChunk, build_flat_batch
 
 LATENT, ROPE, HEADS, BS = 32, 8, 4, 4
 MIXED = [(20, 1), (0, 9), (3, 4), (47, 1), (16, 1), (0, 1)]  # decodes, a prefill, a chunk after cached tokens
 
 
 def _case(spec: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + n) // BS) for c, n in spec) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    chunks = []
-    for cached, new in spec:
-        nb = -(-(cached + new) // BS)
-        chunks.append(SeqChunk([0] * new, cached, perm[:nb]))
-        perm = perm[nb:]
-    meta = build_flat_batch(chunks, BS, torch.device("cpu")).meta
+    meta, num_blocks = scattered_batch(spec, BS, seed)
+    g = torch.Generator().manual_seed(seed + 100)
     latent_cache = torch.randn(1, num_blocks, BS, 1, LATENT + ROPE, generator=g).to(dtype)
     q = torch.randn(len(meta.slot_mapping), HEADS, LATENT + ROPE, generator=g).to(dtype)
     return q, latent_cache, meta
