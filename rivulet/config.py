@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 class RivuletError(ValueError):
@@ -21,6 +21,7 @@ class RivuletError(ValueError):
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
 Quantization = Literal["int8", "int4"]
+Task = Literal["generate", "embed"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,18 @@ class ModelConfig:
     enforce_eager: bool = False  # CUDA only: never replay CUDA graphs for decode steps
     quantization: Quantization | None = None  # CPU weight-only int8/int4 (rivulet/layers/quantization.py)
     compilation_level: int = 0  # 0: eager; 1: torch.compile of the forward (rivulet/compilation/)
+    task: Task = "generate"  # "embed": requests are pooled into embeddings (prefill only, no KV kept)
+    # embed: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's own (its
+    # sentence-transformers modules, else CLS for encoders and LAST for decoders, normalized)
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.compilation_level not in (0, 1):
             raise RivuletError(f"compilation_level must be 0 (eager) or 1 (torch.compile), not {self.compilation_level!r}")
+        if self.task not in ("generate", "embed"):
+            raise RivuletError(f"task must be 'generate' or 'embed', not {self.task!r}")
+        if self.pooler_config is not None and self.task != "embed":
+            raise RivuletError("pooler_config (--pooler-config) is for --task embed")
 
 
 @dataclass(frozen=True)

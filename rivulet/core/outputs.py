@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rivulet.lora_request import LoRARequest  # a leaf module
+from rivulet.pooling_params import PoolingParams  # a leaf module
 from rivulet.sampling_params import SamplingParams  # a leaf module: carried, never read, by the scheduler
 
 
@@ -27,6 +28,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams | None = None
     lora: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    pooling_params: PoolingParams | None = None  # an embedding request: pooled, not sampled
 
 
 @dataclass
@@ -49,6 +51,7 @@ class SchedulerOutput:
     ``scheduled_spec_tokens`` has its last ``k`` scheduled tokens given there (draft tokens,
     not yet known): the runner returns the longest accepted prefix of them plus one token
     (1..k+1 tokens), and the scheduler takes the rejected ones back.
+    A request in ``pooling_request_ids`` (an embedding) is scheduled whole and pooled instead.
     ``finished_request_ids`` (finished or aborted since the previous step) and
     ``preempted_request_ids`` must be dropped from the runner's persistent batch first.
     """
@@ -60,6 +63,7 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: set[str] = field(default_factory=set)
+    pooling_request_ids: set[str] = field(default_factory=set)  # embeddings: whole prompts, pooled this step
     # structured output: int32 [logits rows, ceil(vocab / 32)] as bytes (bit j of word w allows token
     # 32w + j), one row per logits row of the step in batch order; None when no row is constrained
     grammar_bitmask: bytes | None = None
@@ -86,6 +90,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     num_cached_tokens: int = 0
     error: str | None = None
+    pooled: bytes | None = None  # an embedding request's result: float32 values, native byte order
 
     @property
     def finished(self) -> bool:

@@ -61,7 +61,9 @@ class Request:
     ``block_hashes`` is filled by the KV cache manager: the chained key of each
     full block of ``all_token_ids`` (tokens never change, so neither do keys); ``cache_salt``
     enters the first key, so only requests with the same salt share cached blocks; so does the
-    ``lora`` adapter's identity (None: the base model).
+    ``lora`` adapter's identity (None: the base model). A request with ``pooling_params`` is an
+    embedding: it samples nothing; one step computes its whole prompt and it finishes with the pooled
+    hidden states.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Request:
         use_prefix_cache: bool = True,
         cache_salt: str | None = None,
         lora: LoRARequest | None = None,
+        pooling_params: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +95,8 @@ class Request:
         self.use_prefix_cache = use_prefix_cache
         self.cache_salt = cache_salt
         self.lora = lora
+        # an embedding request: its whole prompt in one step, pooled, then finished (opaque here too)
+        self.pooling_params = pooling_params
 
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -113,6 +118,10 @@ class Request:
         """The LoRA adapter's identity in block keys (None: the base model)."""
         lora = self.lora
         return None if lora is None else f"{lora.lora_int_id}|{lora.lora_path}|{lora.fingerprint}"
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

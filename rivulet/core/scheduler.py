@@ -75,9 +75,11 @@ class Scheduler:
             raise RivuletError(f"request id {rid!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise RivuletError(f"request {rid!r}: the prompt is empty")
-        if request.max_tokens < 1:
+        if request.is_pooling:
+            self._check_pooling(request)
+        elif request.max_tokens < 1:
             raise RivuletError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
-        if request.num_prompt_tokens + request.max_tokens > max_len:
+        elif request.num_prompt_tokens + request.max_tokens > max_len:
             raise RivuletError(
                 f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.max_tokens}) = {request.num_prompt_tokens + request.max_tokens} "
@@ -86,6 +88,16 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.add(request)
+
+    def _check_pooling(self, request: Request) -> None:
+        """An embedding's prompt is computed in one step: it must fit the context and the step's budget."""
+        n, cfg = request.num_prompt_tokens, self.config
+        if n > cfg.max_model_len:
+            raise RivuletError(f"request {request.request_id!r}: the input ({n} tokens) exceeds max_model_len "
+                               f"({cfg.max_model_len})")
+        if n > cfg.max_num_batched_tokens:
+            raise RivuletError(f"request {request.request_id!r}: the input ({n} tokens) exceeds "
+                               f"max_num_batched_tokens ({cfg.max_num_batched_tokens}), the most one step computes")
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests in any state; unknown or already finished ids are ignored."""
@@ -203,7 +215,9 @@ class Scheduler:
         req.spec_token_ids = []
         samples = req.num_computed_tokens + num_new - num_spec == req.num_tokens + req.num_output_placeholders
         req.num_computed_tokens += num_new
-        if samples:
+        if req.is_pooling:  # whole, so pooled this step; finished by the update (no placeholder: never again)
+            out.pooling_request_ids.add(req.request_id)
+        elif samples:
             req.num_output_placeholders += 1
             out.sampling_request_ids.add(req.request_id)
 
@@ -256,6 +270,8 @@ class Scheduler:
                         break
                     continue
             num_new = min(req.num_tokens - num_hit, budget)
+            if req.is_pooling and num_new < req.num_tokens - num_hit:
+                break  # an embedding is computed whole: it waits for a step with room for all of it
             if kv.allocate_slots(req, num_new, hit_ids, self._lookahead(req, num_hit + num_new)) is None:
                 break  # the head waits for memory; nobody overtakes it
             self.waiting.pop_front()
@@ -268,6 +284,7 @@ class Scheduler:
                 NewRequestData(
                     req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                     kv.get_block_ids(req.request_id), num_hit, req.sampling_params, req.lora,
+                    req.pooling_params,
                 )
             )
             self._scheduled(req, num_new, 0, out)
@@ -378,9 +395,11 @@ class Scheduler:
     # ---- results of a step ----
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+        pooled: dict[str, bytes] | None = None,
     ) -> list[EngineCoreOutput]:
         """Take a step's sampled tokens: append them, apply stop conditions, free finished.
+        Embedding requests of the step finish with their ``pooled`` result.
 
         ``sampled_token_ids`` needs entries for the step's ``sampling_request_ids`` (tokens
         given for other requests are ignored): one token each, or for a request with draft
@@ -389,6 +408,18 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         finished_any = False
+        for rid in scheduler_output.pooling_request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # aborted since the step was scheduled
+            self._remove_from_queue(req)
+            result = (pooled or {}).get(rid)
+            if result is None:  # a runner bug; finishing beats waiting forever
+                self._fail(req, f"request {rid!r}: the model runner returned no pooled output")
+                continue
+            self._release(req, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=max(req.num_cached_tokens, 0),
+                                            pooled=result))
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or rid not in scheduler_output.sampling_request_ids:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,11 @@ class EngineArgs:
     max_loras: int = field(default=1, metadata=_opt(
         "with --enable-lora: adapters resident at once (and so in one batch at most)"))
     max_lora_rank: int = field(default=16, metadata=_opt("with --enable-lora: the highest adapter rank accepted"))
+    task: str = field(default="generate", metadata=_opt(
+        "generate: text; embed: pooled embeddings (/v1/embeddings, LLM.embed), prefill only", choices=["generate", "embed"]))
+    pooler_config: dict | str | None = field(default=None, metadata=_opt(
+        "with --task embed, as JSON: '{\"pooling_type\": \"MEAN\", \"normalize\": true}' (LAST, MEAN or CLS; "
+        "default: the model's sentence-transformers modules, else CLS for encoders and LAST for decoders)", type=str))
     speculative_config: dict | str | None = field(default=None, metadata=_opt(
         "speculative decoding as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
         "\"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 4}'", type=str))
@@ -121,7 +127,8 @@ class EngineArgs:
                               max_model_len=self.max_model_len, load_format=self.load_format,  # type: ignore[arg-type]
                               seed=self.seed, enforce_eager=self.enforce_eager,
                               compilation_level=self.compilation_level,
-                              quantization=self.quantization),  # type: ignore[arg-type]
+                              quantization=self.quantization, task=self.task,  # type: ignore[arg-type]
+                              pooler_config=_json_dict("pooler_config", self.pooler_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
                               kv_offload_memory=self.kv_offload_memory, kv_tier_path=self.kv_tier_path,
@@ -139,3 +146,16 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank) if self.enable_lora else None,
         )
+
+
+def _json_dict(name: str, value: dict | str | None) -> dict | None:
+    """A dict option given as a dict (Python) or JSON text (the command line)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise RivuletError(f"--{name.replace('_', '-')}: not valid JSON ({e.msg})") from None
+    if not isinstance(parsed, dict):
+        raise RivuletError(f"--{name.replace('_', '-')}: expected a JSON object, got {value!r}")
+    return parsed

@@ -27,10 +27,11 @@ from rivulet.config import EngineConfig, RivuletError
 from rivulet.lora_request import LoRARequest
 from rivulet.engine.messages import (Abort, AddRequest, Failed, GetStats, Outputs, Ready, Shutdown, Stats, Stop,
                                      encode, from_core_decoder)
-from rivulet.engine.outputs import ModelInfo, RequestOutput
+from rivulet.engine.outputs import ModelInfo, PoolingRequestOutput, RequestOutput
 from rivulet.engine.processor import PromptType, RequestProcessor
 from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
 from rivulet.models.loader import resolve_model
+from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 
 
@@ -128,7 +129,7 @@ class AsyncLLM:
 
     # ---- requests ----
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+    async def generate(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
                        priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative snapshots of the request's output; the last has `finished` True."""
         if self._dead:
@@ -152,6 +153,14 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 await self._abort_quietly(request_id)
+
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str,
+                     priority: int = 0) -> PoolingRequestOutput:
+        """An embedding (a model started with task="embed"); `out.error` is set if the engine failed it."""
+        async for out in self.generate(prompt, params, request_id, priority):  # type: ignore[arg-type]
+            if out.finished:
+                return out  # type: ignore[return-value]
+        raise AssertionError("a request's stream ends with its finished output")
 
     async def abort(self, request_id: str) -> None:
         await self._abort_quietly(request_id)

@@ -34,7 +34,9 @@ from rivulet.core.request import Request, RequestStatus
 from rivulet.engine.outputs import ModelInfo, StepOutput
 from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
 from rivulet.executor import make_executor
+from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource
+from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.platforms import current_platform
 from rivulet.spec_decode import NgramProposer, SpecDecodeStats
 from rivulet.structured import StructuredOutputManager
@@ -65,6 +67,18 @@ def check_kv_tier(config: EngineConfig) -> None:
                            "drop it or the tensor/pipeline parallelism")
 
 
+def check_task(config: EngineConfig, arch: ArchConfig) -> None:
+    """An embedding engine pools whole prompts: nothing it has to sample, cache or adapt."""
+    if config.model.task == "generate":
+        if arch.is_encoder:
+            raise RivuletError(f"{arch.architecture} is an encoder: it serves embeddings, start it with --task embed")
+        return
+    for on, what in ((config.speculative, "speculative decoding"), (config.lora, "LoRA adapters"),
+                     (config.cache.kv_tier_enabled, "the KV tier")):
+        if on:
+            raise RivuletError(f"--task embed runs without {what}")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
@@ -81,7 +95,12 @@ class EngineCore:
 
     def _setup(self, config: EngineConfig, source: ModelSource) -> None:
         arch = self.executor.arch_config
-        model_len = config.model.max_model_len or arch.max_position_embeddings
+        check_task(config, arch)
+        self.pooler = read_pooler_config(source, arch.is_encoder, config.model.pooler_config) \
+            if config.model.task == "embed" else None
+        # an embedding model's default length is the one it was trained to embed (sentence-transformers')
+        default_len = (self.pooler.max_seq_length if self.pooler else None) or arch.max_position_embeddings
+        model_len = config.model.max_model_len or min(default_len, arch.max_position_embeddings)
         if model_len > arch.max_position_embeddings:
             raise RivuletError(f"max_model_len {model_len} exceeds the model's context length "
                                f"({arch.max_position_embeddings})")
@@ -156,7 +175,8 @@ class EngineCore:
 
     def model_info(self) -> ModelInfo:
         arch = self.executor.arch_config
-        return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids))
+        return ModelInfo(arch.vocab_size, self.config.scheduler.max_model_len, set(self.eos_token_ids),
+                         self.config.model.task, arch.hidden_size, bool(self.pooler and self.pooler.matryoshka))
 
     def get_stats(self) -> dict[str, Any]:
         """A snapshot for metrics: the scheduler's, the cache size, and speculative decoding's counters."""
@@ -286,7 +306,7 @@ class EngineCore:
                 if req is not None and req.grammar is not None:
                     self.structured.accept(req, toks)
         self.scheduler.update_kv_tier(result.kv_loaded, result.kv_dropped, result.kv_disk_error)
-        outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids, result.pooled)
         for rid, drafts in result.draft_token_ids.items():
             req = self.scheduler.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING and req.grammar is None:

@@ -10,8 +10,9 @@ from rivulet.config import RivuletError
 from rivulet.engine.args import EngineArgs
 from rivulet.engine.llm_engine import LLMEngine
 from rivulet.engine.processor import PromptType
-from rivulet.engine.outputs import RequestOutput
+from rivulet.engine.outputs import PoolingRequestOutput, RequestOutput
 from rivulet.lora_request import LoRARequest
+from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -42,9 +43,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs in the order of the prompts. `lora_request`:
         one LoRA adapter for every prompt, or one (or None: the base model) per prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -57,6 +56,12 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        return self._run(self._add(prompts, params, loras, priority),  # type: ignore[return-value]
+                         use_tqdm and len(prompts) > 1)
+
+    def _add(self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
+             loras: Sequence[LoRARequest | None], priority: Sequence[int] | None) -> list[str]:
+        """Queue every prompt, or (on bad input) none."""
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -65,7 +70,28 @@ class LLM:
             for rid in ids:  # leave the engine as it was
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
+        return ids
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Embed every prompt (a model started with task="embed"), batched; `out.outputs.embedding` of each,
+        in the order of the prompts. Raises RivuletError if the engine fails one."""
+        prompts = _as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
+        outs = self._run(self._add(prompts, params, [None] * len(prompts), None), use_tqdm and len(prompts) > 1)
+        for out in outs:
+            if out.error is not None:
+                raise RivuletError(f"request {out.request_id}: {out.error}")
+        return outs  # type: ignore[return-value]
 
     def chat(
         self,
@@ -85,11 +111,11 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template)
             prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm)  # type: ignore[arg-type]
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        done: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processing", unit="req", disable=not use_tqdm)
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
@@ -105,3 +131,10 @@ class LLM:
             bar.close()
         self.engine.core.drain()  # no step left running behind the caller's back
         return [done[rid] for rid in ids]
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, a token-id list) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

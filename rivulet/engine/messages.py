@@ -17,6 +17,7 @@ import msgspec
 from rivulet.core import Request
 from rivulet.engine.outputs import ModelInfo, StepOutput
 from rivulet.lora_request import LoRARequest
+from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 
 
@@ -32,16 +33,19 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     sampling_params: SamplingParams | None
     cache_salt: str | None = None
     lora: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def of(cls, r: Request) -> AddRequest:
         return cls(r.request_id, r.prompt_token_ids, r.max_tokens, sorted(r.eos_token_ids), sorted(r.stop_token_ids),
-                   r.min_tokens, r.priority, r.use_prefix_cache, r.sampling_params, r.cache_salt, r.lora)
+                   r.min_tokens, r.priority, r.use_prefix_cache, r.sampling_params, r.cache_salt, r.lora,
+                   r.pooling_params)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.max_tokens, self.eos_token_ids,
                        self.stop_token_ids, self.min_tokens, self.priority, sampling_params=self.sampling_params,
-                       use_prefix_cache=self.use_prefix_cache, cache_salt=self.cache_salt, lora=self.lora)
+                       use_prefix_cache=self.use_prefix_cache, cache_salt=self.cache_salt, lora=self.lora,
+                       pooling_params=self.pooling_params)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -52,12 +52,36 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's result, as vLLM's `LLM.embed` returns it (`out.outputs.embedding`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None = None  # None until finished
+    finished: bool = False
+    error: str | None = None  # set when the engine failed the request
+
+
+@dataclass
 class ModelInfo:
     """What the front end must know about the loaded model."""
 
     vocab_size: int
     max_model_len: int
     eos_token_ids: set[int]
+    task: str = "generate"  # or "embed": requests are PoolingParams, results PoolingRequestOutputs
+    hidden_size: int = 0  # an embedding's full size
+    matryoshka: bool = False  # embeddings may be cut to fewer `dimensions`
 
 
 @dataclass

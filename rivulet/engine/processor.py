@@ -1,7 +1,7 @@
 """Both ends of a request around the EngineCore, shared by the offline LLMEngine and AsyncLLM.
 
 Input: tokenize, validate, fan a request with ``n`` samples out into ``n`` core Requests (they
-share the prompt's KV blocks through the prefix cache). Output: incremental detokenization, stop
+share the prompt's KV blocks through the prefix cache); an embedding request (PoolingParams) is one. Output: incremental detokenization, stop
 strings, logprobs, and one RequestOutput per user request.
 """
 
@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from rivulet.config import LoRAConfig, RivuletError
 from rivulet.core import Request
 from rivulet.engine.detokenizer import IncrementalDetokenizer
-from rivulet.engine.outputs import CompletionOutput, Logprob, ModelInfo, PositionLogprobs, RequestOutput, StepOutput
+from rivulet.engine.outputs import (CompletionOutput, EmbeddingOutput, Logprob, ModelInfo, PoolingRequestOutput,
+                                    PositionLogprobs, RequestOutput, StepOutput)
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader.peft import read_adapter
+from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker.outputs import TokenLogprobs
 
@@ -46,13 +48,23 @@ class RequestProcessor:
         self.vocab_size = info.vocab_size
         self.max_model_len = info.max_model_len
         self.eos_token_ids = info.eos_token_ids
-        self.requests: dict[str, RequestOutput] = {}
+        self.info = info
+        self.task = info.task
+        self.requests: dict[str, RequestOutput | PoolingRequestOutput] = {}
         self._samples: dict[str, _Sample] = {}  # core request id -> sample state
 
     # ---- input ----
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a string, a token-id list, or {"prompt"/"prompt_token_ids": ...}."""
+    def tokenize_prompt(self, prompt: PromptType, truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a string, a token-id list, or {"prompt"/"prompt_token_ids": ...};
+        at most `truncate` tokens (cut as the tokenizer cuts: its special tokens stay)."""
+        text, ids = self._tokenize(prompt, truncate)
+        if truncate is not None and len(ids) > truncate:
+            side = getattr(self.tokenizer, "truncation_side", "right")
+            ids = ids[-truncate:] if side == "left" else ids[:truncate]
+        return text, ids
+
+    def _tokenize(self, prompt: PromptType, truncate: int | None) -> tuple[str | None, list[int]]:
         unknown = sorted(set(prompt) - PROMPT_KEYS) if isinstance(prompt, dict) else []
         if unknown:
             raise RivuletError(f"unknown prompt field {unknown[0]!r}; a prompt dict has {', '.join(sorted(PROMPT_KEYS))}")
@@ -65,6 +77,8 @@ class RequestProcessor:
             raise RivuletError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
         if self.tokenizer is None:
             raise RivuletError("this model has no tokenizer: give prompts as token ids")
+        if truncate is not None:
+            return text, self.tokenizer(text, truncation=True, max_length=truncate).input_ids
         return text, self.tokenizer(text).input_ids
 
     def check_adapter(self, lora: LoRARequest) -> LoRARequest:
@@ -80,13 +94,21 @@ class RequestProcessor:
         self._adapters[lora.lora_int_id] = checked
         return checked
 
-    def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                       priority: int = 0, lora: LoRARequest | None = None) -> list[Request]:
-        """Validate and register a request; returns the core requests to queue (one per sample).
-        Raises RivuletError (a ValueError) on bad input, registering nothing."""
+        """Validate and register a request; returns the core requests to queue (one per sample, one for an
+        embedding). Raises RivuletError (a ValueError) on bad input, registering nothing."""
         if request_id in self.requests:
             raise RivuletError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
+        embed = isinstance(params, PoolingParams)
+        if embed != (self.task == "embed"):
+            raise RivuletError("this model serves embeddings (--task embed): ask it for them (LLM.embed, "
+                               "/v1/embeddings), not for text" if self.task == "embed" else
+                               "this model generates text: embeddings need a model started with --task embed")
+        truncate = params.truncate_prompt_tokens if isinstance(params, PoolingParams) else None
+        text, ids = self.tokenize_prompt(prompt, self.max_model_len if truncate == -1 else truncate)
+        if isinstance(params, PoolingParams):
+            return [self._pooling_request(request_id, text, ids, params, priority, lora)]
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not (isinstance(salt, str) and salt):
             raise RivuletError(f"cache_salt must be a non-empty string, not {salt!r}")
@@ -112,6 +134,28 @@ class RequestProcessor:
                 cache_salt=salt, lora=lora))
         return core_requests
 
+    def _pooling_request(self, request_id: str, text: str | None, ids: list[int], params: PoolingParams,
+                         priority: int, lora: LoRARequest | None) -> Request:
+        if lora is not None:
+            raise RivuletError("embedding requests run on the base model (no LoRA adapter)")
+        if not ids:
+            raise RivuletError("the input is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RivuletError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise RivuletError(f"this model's maximum input length is {self.max_model_len} tokens; the input has "
+                               f"{len(ids)} (truncate_prompt_tokens cuts it)")
+        if params.dimensions is not None:
+            if not self.info.matryoshka:
+                raise RivuletError("this model does not support 'dimensions' (it is not a Matryoshka model: a "
+                                   "shorter vector would be a poor embedding)")
+            if params.dimensions > self.info.hidden_size:
+                raise RivuletError(f"dimensions {params.dimensions} exceeds the model's embedding size "
+                                   f"({self.info.hidden_size})")
+        self.requests[request_id] = PoolingRequestOutput(request_id, text, ids)
+        return Request(request_id, ids, 1, priority=priority, use_prefix_cache=False, pooling_params=params)
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RivuletError("the prompt is empty")
@@ -134,8 +178,11 @@ class RequestProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns the core request ids to abort."""
-        if self.requests.pop(request_id, None) is None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
             return []
+        if isinstance(req, PoolingRequestOutput):
+            return [request_id]
         ids = [cid for cid, s in self._samples.items() if s.parent == request_id]
         for cid in ids:
             del self._samples[cid]
@@ -143,14 +190,18 @@ class RequestProcessor:
 
     # ---- output ----
 
-    def process(self, step_outputs: list[StepOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, step_outputs: list[StepOutput]) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Fold one step into the requests. Returns (requests that progressed, finished ones for the
         last time; core ids whose stop string matched, which the core must now finish)."""
-        touched: dict[str, RequestOutput] = {}
+        touched: dict[str, RequestOutput | PoolingRequestOutput] = {}
         stopped: list[str] = []
         for so in step_outputs:
             sample = self._samples.get(so.core.request_id)
             if sample is None:
+                pooled = self.requests.get(so.core.request_id)
+                if isinstance(pooled, PoolingRequestOutput) and so.core.finished:
+                    self._finish_pooling(pooled, so.core)
+                    touched[pooled.request_id] = pooled
                 continue
             req = self.requests[sample.parent]
             if self._apply(sample, so, req):
@@ -160,6 +211,14 @@ class RequestProcessor:
             if req.finished:
                 del self.requests[rid]
         return list(touched.values()), stopped
+
+    @staticmethod
+    def _finish_pooling(req: PoolingRequestOutput, c: Any) -> None:
+        req.finished = True
+        if c.pooled is None:
+            req.error = c.error or f"the request finished without an embedding ({c.finish_reason})"
+        else:
+            req.outputs = EmbeddingOutput(memoryview(c.pooled).cast("f").tolist())
 
     def _apply(self, sample: _Sample, so: StepOutput, req: RequestOutput) -> bool:
         """Returns True when a stop string ended the sample (the core does not know yet)."""

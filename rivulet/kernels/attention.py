@@ -119,6 +119,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.softmax(s, dim=-1).to(v.dtype) @ v
 
 
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Bidirectional attention of an encoder: each sequence of the flat batch attends to all of its own
+    tokens and no other's, nothing cached. q [T, H, D], k and v [T, Hk, D] -> [T, H, D]. The sequences are
+    padded to the longest and run as one fused SDPA with a key mask."""
+    qsl = query_start_loc.to(torch.int64)
+    lens = qsl[1:] - qsl[:-1]
+    width = int(lens.max())
+    cols = torch.arange(width, device=q.device)
+    valid = cols[None, :] < lens[:, None]  # [B, L]
+    idx = torch.where(valid, qsl[:-1, None] + cols[None, :], 0)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+        return x[idx].transpose(1, 2)
+
+    out = attend(padded(q), padded(k), padded(v), valid[:, None, None, :], scale)
+    return out.transpose(1, 2)[valid]  # the real tokens, in flat-batch order
+
+
 def sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                        scale: float, sliding_window: int | None, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's query tokens [q_len, Hq, D] (the last of its `seq_len`) over its gathered context."""

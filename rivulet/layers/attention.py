@@ -5,7 +5,9 @@ runner when it allocates the cache; the per-step metadata is passed in every cal
 vector per token (the compressed latent and the rotary key), read by every head as both key and value
 (the value is the latent part). It runs on the same backends as `Attention`: its cache is bound as
 a [2, ...] view whose two halves are the same memory (stride 0), so a backend reading "values"
-reads the keys, and the output's first `latent_dim` columns are the latent attention output."""
+reads the keys, and the output's first `latent_dim` columns are the latent attention output.
+
+`EncoderAttention` (BERT) caches nothing: each sequence of the step attends to itself, both ways."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from rivulet.kernels import AttentionMetadata, get_attention_backend
+from rivulet.kernels.attention import varlen_attention
 from rivulet.kernels.ops import get_op
 from rivulet.platforms import current_platform
 
@@ -44,6 +47,22 @@ class Attention(nn.Module):
         self._write_kv_cache(k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim),
                            self.kv_cache, meta.slot_mapping)
         return self.backend(q, self.kv_cache, meta, self.scale, self.sliding_window, self.softcap).reshape(t, -1)
+
+
+class EncoderAttention(nn.Module):
+    """An encoder's attention (BERT): every token sees its whole sequence; no KV cache, so the model
+    runner allocates none for it."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq*D], k and v [T, Hk*D] -> [T, Hq*D]."""
+        t, d = q.shape[0], self.head_dim
+        out = varlen_attention(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                               v.view(t, self.num_kv_heads, d), meta.query_start_loc, self.scale)
+        return out.reshape(t, -1)
 
 
 class MLAAttention(Attention):

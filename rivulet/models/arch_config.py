@@ -24,11 +24,14 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # Gemma: (1 + weight) norms, embeddings scaled by sqrt(hidden), tied head, norms around attention and MLP
     "Gemma2ForCausalLM": {"norm_weight_offset": 1.0, "embed_scale": True, "sandwich_norms": True,
                           "tie_word_embeddings": True},
+    # BERT (sentence-transformers encoders): bidirectional attention, post-norm LayerNorms, plain GELU MLP
+    "BertModel": {"is_encoder": True},
     "Gemma3ForCausalLM": {"norm_weight_offset": 1.0, "embed_scale": True, "sandwich_norms": True,
                           "tie_word_embeddings": True, "qk_norm": True},
 }
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ENCODER_ACTIVATIONS = ("gelu",)  # an encoder's plain (ungated) MLP
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -83,6 +86,10 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    # encoders (BERT): every token attends to its whole sequence, nothing is cached; rms_norm_eps is then
+    # the LayerNorms' eps, and token type 0's embedding is added to every token
+    is_encoder: bool = False
+    type_vocab_size: int = 0
 
     @property
     def is_mla(self) -> bool:
@@ -127,8 +134,12 @@ class ArchConfig:
         arch = archs[0]
         c = {**_ARCH_DEFAULTS.get(arch, {}), **cfg}
         act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
-        if act not in ACTIVATIONS:
-            raise RivuletError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+        encoder = bool(c.get("is_encoder"))
+        allowed = ENCODER_ACTIVATIONS if encoder else ACTIVATIONS
+        if act not in allowed:
+            raise RivuletError(f"unsupported activation {act!r} (supported: {', '.join(allowed)})")
+        if encoder and c.get("position_embedding_type", "absolute") != "absolute":
+            raise RivuletError(f"unsupported position embeddings {c['position_embedding_type']!r} (supported: absolute)")
         if c.get("mlp_bias"):
             raise RivuletError("MLP biases are not supported")
         if c.get("use_bidirectional_attention"):
@@ -164,7 +175,7 @@ class ArchConfig:
             num_attention_heads=heads,
             num_key_value_heads=c.get("num_key_value_heads") or heads,
             head_dim=c["qk_rope_head_dim"] if mla else (c.get("head_dim") or c["hidden_size"] // heads),
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=c.get("rms_norm_eps", c.get("layer_norm_eps", 1e-6)),
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
@@ -202,6 +213,8 @@ class ArchConfig:
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             torch_dtype=c.get("dtype") or c.get("torch_dtype"),
+            is_encoder=encoder,
+            type_vocab_size=c.get("type_vocab_size", 0) if encoder else 0,
         )
 
 

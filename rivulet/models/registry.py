@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from rivulet.config import RivuletError
+from rivulet.models.bert import BertModel
 from rivulet.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from rivulet.models.llama import LlamaForCausalLM
 from rivulet.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -21,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "BertModel": BertModel,  # an encoder: --task embed
 }
 
 

@@ -31,6 +31,7 @@ class StepInputs:
     query_start: np.ndarray  # [S + 1] each request's first token in the flat batch
     starts: np.ndarray  # [S] tokens already computed before this step
     sample: np.ndarray  # [S] bool: the request reaches the end of its known tokens and samples
+    pool: np.ndarray  # [S] bool: an embedding request, whole in this step: pooled, not sampled
     num_logits: np.ndarray  # [S] logits rows of each request: 0, 1, or 1 + its draft tokens
     drafts: dict[int, list[int]]  # request index -> its draft tokens (the last scheduled tokens)
 
@@ -125,8 +126,9 @@ class InputBatch:
 
     # ---- one step ----
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """The flat batch of `out` (its requests must be in the batch: call `update` first)."""
+    def prepare(self, out: SchedulerOutput, pooling: set[str] = frozenset()) -> StepInputs:  # type: ignore[assignment]
+        """The flat batch of `out` (its requests must be in the batch: call `update` first); the `pooling`
+        requests are pooled instead of sampled."""
         req_ids = list(out.num_scheduled_tokens)
         s = len(req_ids)
         rows = np.fromiter((self.row_of[r] for r in req_ids), np.int64, s)
@@ -149,12 +151,13 @@ class InputBatch:
             raise ValueError("a request is scheduled past its known tokens")
         if (seq_lens > self.num_blocks[rows] * self.block_size).any():
             raise ValueError("a request is scheduled past the blocks it holds")
-        sample = seq_lens >= self.num_tokens[rows] + num_drafts
+        pool = np.fromiter((r in pooling for r in req_ids), bool, s) if pooling else np.zeros(s, bool)
+        sample = (seq_lens >= self.num_tokens[rows] + num_drafts) & ~pool
         num_logits = np.where(sample, num_drafts + 1, 0)
         cum = np.cumsum(num_logits)
         logits_indices = np.repeat(qsl[1:] - cum, num_logits) + np.arange(int(cum[-1]))  # the last L of each
         flat = self.gather(rows, starts, n, qsl, logits_indices)
-        return StepInputs(flat, req_ids, rows, qsl, starts, sample, num_logits, drafts)
+        return StepInputs(flat, req_ids, rows, qsl, starts, sample, pool, num_logits, drafts)
 
     def gather(self, rows: np.ndarray, starts: np.ndarray, n: np.ndarray, qsl: np.ndarray | None = None,
                logits_indices: np.ndarray | None = None) -> FlatBatch:

@@ -13,8 +13,11 @@ from rivulet.config import CacheConfig, LoRAConfig, ModelConfig, RivuletError, S
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
+from rivulet.layers.pooler import finish_embedding, pool
 from rivulet.layers.sampler import Sampler, apply_token_bitmask, gather_logprobs
 from rivulet.models.loader import ModelSource, load_model
+from rivulet.models.loader.pooling import read_pooler_config
+from rivulet.pooling_params import PoolingParams
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
 from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
@@ -25,6 +28,8 @@ from rivulet.worker.lora import LoRAManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+ENCODER_BLOCKS = 1 << 14  # an encoder's "KV blocks": tokens in flight, nothing allocated
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,6 +89,10 @@ class ModelRunner:
             self.forward_fn = CompiledForward(self.model)
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
         self.drafter = None  # speculative decoding's draft model: proposes after each sampling step
+        # --task embed: each request's hidden states pooled into one vector (its params by request id)
+        self.pooler = read_pooler_config(source, self.arch.is_encoder, model_config.pooler_config) \
+            if model_config.task == "embed" else None
+        self._pooling: dict[str, PoolingParams] = {}
         if speculative is not None and speculative.method == "draft_model":
             self.drafter = DraftRunner(speculative, model_config, self.dtype, self.device, self.arch, self.max_model_len)
 
@@ -105,10 +114,13 @@ class ModelRunner:
         return sum(a.kv_halves * bs * a.num_kv_heads * a.head_dim * size for a in self._kv_layers())
 
     def num_blocks_for_budget(self) -> int:
-        """Blocks that fit the configured KV memory (or a share of the free memory)."""
+        """Blocks that fit the configured KV memory (or a share of the free memory); an encoder caches
+        nothing, so its blocks are only the scheduler's count of tokens in flight."""
         cc = self.cache_config
         if cc.num_blocks is not None:
             return cc.num_blocks
+        if not self._kv_layers():
+            return ENCODER_BLOCKS
         budget = cc.kv_cache_memory
         if budget is None:
             budget = int(self.platform.free_memory_bytes() * cc.memory_utilization)
@@ -185,6 +197,11 @@ class ModelRunner:
         requests that sample (one row each, k + 1 for a request with k draft tokens, in batch order),
         or None when none does. `sample_tokens` must follow before the next step."""
         self.batch.update(out, self.eos_token_ids)
+        for rid in out.finished_request_ids:
+            self._pooling.pop(rid, None)
+        for new in out.new_requests:
+            if new.pooling_params is not None:
+                self._pooling[new.request_id] = new.pooling_params
         if self.lora is not None:
             self._assign_lora_slots(out)
         if self.drafter is not None:
@@ -199,7 +216,7 @@ class ModelRunner:
             if tier is not None and out.kv_saves:
                 tier.save(out.kv_saves)
             return None
-        step = self.batch.prepare(out)
+        step = self.batch.prepare(out, out.pooling_request_ids)
         if self.lora is not None:
             self.lora.plan(np.repeat(self.batch.lora_slot[step.rows], np.diff(step.query_start)))
         hidden = self._run_model(step.flat)
@@ -238,6 +255,8 @@ class ModelRunner:
             if grammar_bitmask is not None:
                 logits = apply_token_bitmask(logits, grammar_bitmask)
             self._sample(step, logits, result)
+        if step.pool.any():
+            self._pool(step, hidden, result)
         if self.drafter is not None:
             chunks = {rid: int(step.starts[i] + step.query_start[i + 1] - step.query_start[i])
                       for i, rid in enumerate(step.req_ids) if not step.sample[i]}
@@ -248,6 +267,20 @@ class ModelRunner:
             q0, q1 = int(step.query_start[i]), int(step.query_start[i + 1])
             self._prompt_logprobs(step.req_ids[i], int(step.rows[i]), hidden[q0:q1], int(step.starts[i]), result)
         return result
+
+    def _pool(self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """Each embedding request's vector (float32 bytes): its hidden states pooled, cut to the dimensions
+        it asked for, normalized unless it or the model says not to."""
+        assert self.pooler is not None, "embedding requests reach only an engine started with task='embed'"
+        idx = np.flatnonzero(step.pool)
+        qsl = torch.from_numpy(step.query_start).to(hidden.device)
+        at = torch.from_numpy(idx).to(hidden.device)
+        vectors = pool(hidden, qsl[at], qsl[at + 1], self.pooler.pooling_type).cpu()
+        for j, i in enumerate(idx.tolist()):
+            rid = step.req_ids[i]
+            params = self._pooling.pop(rid)
+            normalize = self.pooler.normalize if params.normalize is None else params.normalize
+            result.pooled[rid] = finish_embedding(vectors[j], params.dimensions, normalize).numpy().tobytes()
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Take tokens sampled elsewhere (by the last pipeline stage) into this runner's batch."""

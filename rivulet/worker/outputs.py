@@ -30,3 +30,5 @@ class ModelRunnerOutput:
     kv_loaded: dict[str, int] = field(default_factory=dict)
     kv_dropped: list[str] = field(default_factory=list)
     kv_disk_error: str | None = None
+    # embedding requests of the step: float32 values (native byte order)
+    pooled: dict[str, bytes] = field(default_factory=dict)
