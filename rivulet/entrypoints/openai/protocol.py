@@ -407,3 +407,52 @@ class UnloadLoRAAdapterRequest(OpenAIRequest):
     """``POST /v1/unload_lora_adapter`` (vLLM's)."""
 
     lora_name: str
+
+
+# ---------------------------------------------------------------------- embeddings
+
+EmbeddingInput = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+
+
+class EmbeddingRequest(OpenAIRequest):
+    """``POST /v1/embeddings`` (OpenAI's shape, plus vLLM's ``truncate_prompt_tokens`` and
+    ``add_special_tokens``)."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # vLLM's extra: None is the model's choice
+    priority: Int64 = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per embedding: a string or a list of token ids."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if x and all(isinstance(t, int) for t in x):
+            return [list(x)]  # type: ignore[arg-type]
+        return list(x)  # type: ignore[arg-type]
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: the float32 values, little-endian
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

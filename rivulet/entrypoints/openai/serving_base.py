@@ -26,13 +26,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from rivulet.config import RivuletError
-from rivulet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from rivulet.engine.outputs import CompletionOutput, PoolingRequestOutput, PositionLogprobs, RequestOutput
 from rivulet.entrypoints.openai.engine_client import EngineClient, EngineDeadError
 from rivulet.entrypoints.openai.errors import OpenAIError, dumps, engine_dead_error, error_body
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader.peft import read_adapter
+from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
@@ -169,14 +170,16 @@ class RequestGroup:
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.closed = False
 
-    def add(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0) -> None:
-        """Add one engine request; it reaches the engine when its stream is first read."""
+    def add(self, prompt: Any, params: SamplingParams | PoolingParams, request_id: str, priority: int = 0) -> None:
+        """Add one engine request (an embedding with PoolingParams); it reaches the engine when its stream is
+        first read."""
         self.streams.append(self._tracked(prompt, params, request_id, priority))
 
-    async def _tracked(self, prompt: Any, params: SamplingParams, request_id: str,
+    async def _tracked(self, prompt: Any, params: SamplingParams | PoolingParams, request_id: str,
                        priority: int) -> AsyncIterator[RequestOutput]:
         tracker = self.ctx.metrics.tracker()
         gen = self.ctx.engine.generate(prompt, params, request_id, priority, self.lora)
+        n = params.n if isinstance(params, SamplingParams) else 1
         try:
             async for out in gen:
                 tracker.observe(out)
@@ -185,10 +188,10 @@ class RequestGroup:
             tracker.done = True  # rejected before it started: not a served request
             raise
         except EngineDeadError:
-            tracker.abort(params.n, "error")
+            tracker.abort(n, "error")
             raise
         finally:
-            tracker.abort(params.n)  # no-op when it finished
+            tracker.abort(n)  # no-op when it finished
             await close_quietly(gen)
 
     async def prime(self) -> list[RequestOutput]:
@@ -236,9 +239,13 @@ class RequestGroup:
             self.ctx.active -= self.slots
 
 
-def check_errors(outputs: list[RequestOutput]) -> None:
-    """400 when the engine refused a request (a choice finished with ``error``)."""
+def check_errors(outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+    """400 when the engine refused a request (a choice, or an embedding, finished with ``error``)."""
     for out in outputs:
+        if isinstance(out, PoolingRequestOutput):
+            if out.error is not None:
+                raise OpenAIError(400, out.error)
+            continue
         for c in out.outputs:
             if c.finish_reason == "error":
                 raise OpenAIError(400, c.error or "the engine rejected the request")
