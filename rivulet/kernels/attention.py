@@ -120,22 +120,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, max_waste: float = 1.25) -> torch.Tensor:
     """Bidirectional attention of an encoder: each sequence of the flat batch attends to all of its own
-    tokens and no other's, nothing cached. q [T, H, D], k and v [T, Hk, D] -> [T, H, D]. The sequences are
-    padded to the longest and run as one fused SDPA with a key mask."""
-    qsl = query_start_loc.to(torch.int64)
-    lens = qsl[1:] - qsl[:-1]
-    width = int(lens.max())
-    cols = torch.arange(width, device=q.device)
-    valid = cols[None, :] < lens[:, None]  # [B, L]
-    idx = torch.where(valid, qsl[:-1, None] + cols[None, :], 0)
+    tokens and no other's, nothing cached. q [T, H, D], k and v [T, Hk, D] -> [T, H, D].
+
+    Sequences of similar length are padded to the longest of their group and run as one fused SDPA with a
+    key mask; a group closes when padding would make its n * L^2 work more than `max_waste` times the
+    sum of its sequences' L^2 (sorted by length, so a step of short and long sequences pads little)."""
+    qsl = query_start_loc.tolist()
+    lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
+    out = torch.empty_like(q)
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    group: list[int] = []
+    useful = 0
+    for i in order + [-1]:
+        n = lens[i] if i >= 0 else 0
+        if group and (i < 0 or (len(group) + 1) * n * n > max_waste * (useful + n * n)):
+            _padded_attention(q, k, v, [qsl[j] for j in group], [lens[j] for j in group], scale, out)
+            group, useful = [], 0
+        group.append(i)
+        useful += n * n
+    return out
+
+
+def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], lens: list[int],
+                      scale: float, out: torch.Tensor) -> None:
+    """One SDPA over sequences (first token, length) padded to the longest; results written into `out`."""
+    dev = q.device
+    width = max(lens)
+    cols = torch.arange(width, device=dev)
+    valid = cols[None, :] < torch.tensor(lens, device=dev)[:, None]  # [B, L]
+    idx = torch.where(valid, torch.tensor(starts, device=dev)[:, None] + cols[None, :], 0)
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
         return x[idx].transpose(1, 2)
 
-    out = attend(padded(q), padded(k), padded(v), valid[:, None, None, :], scale)
-    return out.transpose(1, 2)[valid]  # the real tokens, in flat-batch order
+    o = attend(padded(q), padded(k), padded(v), valid[:, None, None, :], scale)
+    out[idx[valid]] = o.transpose(1, 2)[valid]
 
 
 def sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
