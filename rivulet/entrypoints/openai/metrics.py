@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (no process-global state).
+"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (no process-global state); each model of
+a deployment has a ``ServerMetrics`` over the same families (``like=``), told apart by ``model_name``.
 
 Names follow vLLM's with a ``rivulet:`` prefix. Engine-side numbers (running/waiting requests, KV
 cache usage, prefix-cache counters, preemptions, speculative decoding's draft and accepted tokens)
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from rivulet.engine.outputs import PoolingRequestOutput, RequestOutput
 
@@ -28,9 +30,26 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class ServerMetrics:
     """All metrics of one app; ``render()`` gives the Prometheus text format."""
 
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, model_name: str, like: ServerMetrics | None = None) -> None:
+        """Metrics of `model_name`; `like`: another model's of the same server, whose registry and metric
+        families these share (one family per name, a `model_name` label per model)."""
         self.model_name = model_name
+        self._last_engine: dict[str, float] = {}
+        if like is None:
+            self._create_families()
+        else:
+            self.registry = like.registry
+            self.__dict__.update({k: v for k, v in vars(like).items() if isinstance(v, MetricWrapperBase)})
+        # every series present from the start, so rates work from zero
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_hit_rate, self.prefix_queries,
+                       self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft,
+                       self.tpot, self.itl, self.e2e, self.queue_time):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+
+    def _create_families(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
 
@@ -84,14 +103,6 @@ class ServerMetrics:
         self.queue_time = histogram("rivulet:request_queue_time_seconds",
                                     "Arrival to first scheduling (approximated, see RequestTracker).",
                                     REQUEST_LATENCY_BUCKETS)
-        # every series present from the start, so rates work from zero
-        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_hit_rate, self.prefix_queries,
-                       self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft,
-                       self.tpot, self.itl, self.e2e, self.queue_time):
-            metric.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
-        self._last_engine: dict[str, float] = {}
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         """Copy a ``get_stats()`` snapshot into the gauges; advance counters by what grew since the last one."""
