@@ -66,6 +66,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a generation request not done this long after it arrived: 408, or an error event "
                         "ending its stream (default: no limit)")
+    p.add_argument("--config", default=None, metavar="DEPLOY.YAML",
+                   help="serve several models, each in its own engine, from a deployment file (docs/pipelines.md); "
+                        "engine arguments then go in the file")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
 

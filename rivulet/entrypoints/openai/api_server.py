@@ -26,6 +26,7 @@ import logging
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -41,10 +42,12 @@ from rivulet.entrypoints.openai.engine_client import EngineClient
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
 from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                 EmbeddingRequest, EmbeddingResponse, ModelCard,
+                                                 EmbeddingRequest, EmbeddingResponse, LoadModelRequest, ModelCard,
                                                  LoadLoRAAdapterRequest, ModelList, TokenizeRequest, TokenizeResponse,
                                                  UnloadLoRAAdapterRequest)
+from rivulet.entrypoints.openai.deployment import Deployment, ModelSpec, ServedModel, model_settings
 from rivulet.entrypoints.openai.launch import ServerSettings
+from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler
@@ -142,33 +145,80 @@ async def _read_limited(receive: Receive, limit: int) -> Receive | None:
     return replay
 
 
-def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
-    """The app for one engine; all its state hangs off ``app.state.ctx``."""
-    ctx = ServerContext(engine, settings)
-    app = FastAPI(title="Rivulet OpenAI-compatible API", version=rivulet.__version__)
-    app.state.ctx = ctx
-    install_exception_handlers(app)
-    app.add_middleware(Gate, ctx=ctx)
-    completions, chat, tokens = CompletionHandler(ctx), ChatHandler(ctx), TokenizationHandler(ctx)
-    embeddings = EmbeddingHandler(ctx)
+@dataclass
+class Handlers:
+    """One model's endpoint handlers (all over its ServerContext)."""
 
-    @app.get("/health", responses={503: {"description": "the engine is not running (or, with generate=1, stuck)"}})
+    completions: CompletionHandler
+    chat: ChatHandler
+    tokens: TokenizationHandler
+    embeddings: EmbeddingHandler
+
+    @classmethod
+    def of(cls, ctx: ServerContext) -> Handlers:
+        return cls(CompletionHandler(ctx), ChatHandler(ctx), TokenizationHandler(ctx), EmbeddingHandler(ctx))
+
+
+def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> FastAPI:
+    """The app for one engine (its state hangs off ``app.state.ctx``) or for a deployment of several models
+    (``app.state.deployment``; ``app.state.ctx`` is then the first model's, which also counts the app's requests
+    in flight and whether it drains)."""
+    first_metrics: list[ServerMetrics] = []
+
+    def make_served(spec: ModelSpec, model_engine: EngineClient, model_settings: ServerSettings) -> ServedModel:
+        metrics = ServerMetrics(spec.name, like=first_metrics[0] if first_metrics else None)
+        first_metrics.append(metrics)
+        ctx = ServerContext(model_engine, model_settings, metrics)
+        return ServedModel(spec, model_engine, ctx, Handlers.of(ctx))
+
+    if isinstance(engine, Deployment):
+        deployment = engine
+        deployment.attach(lambda spec, e: make_served(spec, e, model_settings(settings, spec, spec.engine_config())))
+    else:
+        names = settings.served_model_names
+        deployment = Deployment(make_served=lambda spec, e: make_served(spec, e, settings))
+        deployment.add(ModelSpec(names[0], settings.model_root or names[0], tuple(names[1:])), engine, "ready")
+    front = deployment.default.ctx
+    app = FastAPI(title="Rivulet OpenAI-compatible API", version=rivulet.__version__)
+    app.state.ctx, app.state.deployment = front, deployment
+    install_exception_handlers(app)
+    app.add_middleware(Gate, ctx=front)
+
+    def route(requested: str | None) -> ServedModel:
+        """The model a request names (the first model when it names none): 404 unknown, 503 still loading."""
+        served = deployment.find(requested)
+        if served is None or served.state == "unloading":
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        if served.state == "loading":
+            raise OpenAIError(503, f"the model `{requested}` is still loading; retry later", code="model_loading",
+                              headers={"Retry-After": "5"})
+        return served
+
+    def serving() -> list[ServedModel]:
+        return [m for m in deployment.models.values() if m.state == "ready"]
+
+    @app.get("/health", responses={503: {"description": "an engine is not running (or, with generate=1, stuck)"}})
     async def health(generate: bool = False) -> Response:
-        """200 while the engine runs, 503 while it is down or restarting; with ``generate=1`` (or at
-        ``/health_generate``) 200 only once the engine has generated one token."""
-        if getattr(engine, "restarting", False):
-            return error_response(OpenAIError(503, "the engine is restarting", code="engine_restarting"))
-        if not engine.is_healthy:
-            return error_response(OpenAIError(503, "the engine process is not running", code="engine_dead"))
+        """200 while every model's engine runs, 503 while one is down or restarting; with ``generate=1`` (or at
+        ``/health_generate``) 200 only once each has generated one token (or embedded one)."""
+        for m in serving():
+            if getattr(m.engine, "restarting", False):
+                return error_response(OpenAIError(503, f"the engine of {m.spec.name} is restarting",
+                                                  code="engine_restarting"))
+            if not m.engine.is_healthy:
+                return error_response(OpenAIError(503, f"the engine process of {m.spec.name} is not running",
+                                                  code="engine_dead"))
         if generate:
-            return await _generate_one_token()
+            for m in serving():
+                if (failed := await _generate_one_token(m.engine)) is not None:
+                    return failed
         return Response(status_code=200)
 
-    @app.get("/health_generate", responses={503: {"description": "the engine did not generate a token in time"}})
+    @app.get("/health_generate", responses={503: {"description": "an engine did not generate a token in time"}})
     async def health_generate() -> Response:
         return await health(generate=True)
 
-    async def _generate_one_token() -> Response:
+    async def _generate_one_token(engine: EngineClient) -> Response | None:
         tok = engine.tokenizer
         first = getattr(tok, "bos_token_id", None) if tok is not None else None
         embed = engine.model_info.task == "embed"  # an embedding model: one embedding of one token
@@ -188,7 +238,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             return error_response(OpenAIError(503, f"the engine could not generate: {e}", code="engine_dead"))
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
-        return Response(status_code=200)
+        return None
 
     @app.get("/version")
     async def version() -> JSONBody:
@@ -196,64 +246,93 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text; engine gauges refreshed from the engine when it answers within 2 s."""
-        if engine.is_healthy:
+        """Prometheus text; engine gauges refreshed from each engine that answers within 2 s."""
+        async def refresh(m: ServedModel) -> None:
+            if not m.engine.is_healthy:
+                return
             # shielded: a slow engine step makes the scrape give up, not cancel the engine's pending reply
-            stats = asyncio.ensure_future(engine.get_stats())
+            stats = asyncio.ensure_future(m.engine.get_stats())
             stats.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception not retrieved"
             try:
-                ctx.metrics.update_engine_stats(await asyncio.wait_for(asyncio.shield(stats), STATS_TIMEOUT_S))
+                m.ctx.metrics.update_engine_stats(await asyncio.wait_for(asyncio.shield(stats), STATS_TIMEOUT_S))
             except Exception as e:  # a dead or slow engine must not break the scrape
-                logger.debug("engine stats unavailable: %s", e)
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+                logger.debug("engine stats of %s unavailable: %s", m.spec.name, e)
+        await asyncio.gather(*(refresh(m) for m in serving()))
+        return Response(front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(name: str) -> ModelCard:
+    def model_card(name: str, served: ServedModel) -> ModelCard:
+        ctx, info = served.ctx, served.engine.model_info if served.state == "ready" else None
+        max_len = info.max_model_len if info is not None else None
         lora = ctx.lora_request(name)
         if lora is not None:  # an adapter: its folder, and the base model it adapts (as vLLM lists them)
-            return ModelCard(id=name, root=lora.lora_path, parent=settings.served_model_names[0],
-                             max_model_len=engine.model_info.max_model_len)
-        return ModelCard(id=name, root=settings.model_root, max_model_len=engine.model_info.max_model_len)
+            return ModelCard(id=name, root=lora.lora_path, parent=served.spec.name, max_model_len=max_len,
+                             state=served.state, created=served.created)
+        return ModelCard(id=name, root=ctx.settings.model_root, max_model_len=max_len, state=served.state,
+                         task=info.task if info is not None else served.spec.task, created=served.created)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> JSONBody:
-        names = [*settings.served_model_names, *ctx.adapters]
-        return JSONBody(ModelList(data=[model_card(n) for n in names]).model_dump())
+        cards = [model_card(n, m) for m in deployment.models.values() if m.state != "unloading"
+                 for n in [*m.spec.names, *m.ctx.adapters]]
+        return JSONBody(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/models/load", response_model=ModelCard)
+    async def load_model(body: LoadModelRequest) -> JSONBody:
+        if deployment.spawn is None:
+            raise OpenAIError(400, "this server runs one engine; start it with --config to load models at run time")
+        spec = ModelSpec.parse(body.model_dump(exclude_none=True), "the model to load")
+        served = await deployment.load(spec)
+        return JSONBody(model_card(spec.name, served).model_dump())
+
+    @app.delete("/v1/models/{model:path}")
+    async def unload_model(model: str) -> JSONBody:
+        if deployment.spawn is None:
+            raise OpenAIError(400, "this server runs one engine; start it with --config to unload models")
+        try:
+            await deployment.unload(model, settings.drain_timeout)
+        except KeyError:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
+                              code="model_not_found") from None
+        return JSONBody({"id": model, "object": "model", "deleted": True})
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        ctx.load_adapter(body.lora_name, body.lora_path)
+        deployment.default.ctx.load_adapter(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        ctx.unload_adapter(body.lora_name)
+        deployment.default.ctx.unload_adapter(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard)
     async def get_model(model: str) -> JSONBody:
-        return JSONBody(model_card(ctx.model_name(model)).model_dump())
+        served = deployment.find(model)
+        if served is None or served.state == "unloading":
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return JSONBody(model_card(model, served).model_dump())
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await completions.create(body, request)
+        return await route(body.model).handlers.completions.create(body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat.create(body, request)
+        return await route(body.model).handlers.chat.create(body, request)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
-        return await embeddings.create(body, request)
+        return await route(body.model).handlers.embeddings.create(body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> JSONBody:
-        return JSONBody(tokens.tokenize(body).model_dump())
+        return JSONBody(route(body.model).handlers.tokens.tokenize(body).model_dump())
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> JSONBody:
-        return JSONBody(tokens.detokenize(body).model_dump())
+        return JSONBody(route(body.model).handlers.tokens.detokenize(body).model_dump())
 
     return app
 
@@ -294,19 +373,31 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(engine: SupervisedEngine, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
-    """Build the app for a spawned engine, wait for the engine, serve on `sock` until a signal has
-    drained the requests (`launch.run_server` spawns the engine and shuts it down afterwards).
-    Returns 1 when the engine could not be kept running (see `supervisor.py`), else 0."""
+async def serve(engine: SupervisedEngine | Deployment, settings: ServerSettings, sock: socket.socket,
+                a: argparse.Namespace) -> int:
+    """Build the app for a spawned engine (or a deployment's engines), wait for it, serve on `sock` until a
+    signal has drained the requests (`launch.run_server` spawns the engines and shuts them down afterwards).
+    Returns 1 when an engine could not be kept running (see `supervisor.py`), else 0."""
     app = build_app(engine, settings)
+    deployment: Deployment = app.state.deployment
     uv_config = uvicorn.Config(app, log_level=a.uvicorn_log_level, access_log=not a.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=2, timeout_keep_alive=5)
-    await engine.ready()
+    started = min(getattr(m.engine, "spawned_at", time.monotonic()) for m in deployment.models.values())
+    await deployment.ready()
     server = DrainingServer(uv_config, app.state.ctx, asyncio.get_running_loop())
-    engine.on_fatal = lambda reason: setattr(server, "should_exit", True)
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        server.should_exit = True
+
+    for m in deployment.models.values():
+        m.engine.on_fatal = on_fatal
+    deployment.on_fatal = on_fatal  # models loaded later
     host, port = sock.getsockname()[:2]
-    logger.info("serving %s on http://%s:%d (OpenAI API under /v1); the engine started in %.1f s",
-                ", ".join(settings.served_model_names), host, port, time.monotonic() - engine.spawned_at)
+    names = ", ".join(n for m in deployment.models.values() for n in m.spec.names)
+    logger.info("serving %s on http://%s:%d (OpenAI API under /v1); the engines started in %.1f s",
+                names, host, port, time.monotonic() - started)
     await server.serve(sockets=[sock])
     logger.info("stopped")
-    return 1 if engine.fatal else 0
+    return 1 if fatal or any(getattr(m.engine, "fatal", None) for m in deployment.models.values()) else 0

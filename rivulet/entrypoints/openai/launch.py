@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -147,33 +148,60 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_server(a: argparse.Namespace) -> int:
     """``rivulet serve``: returns the exit code (0 after a signal-triggered shutdown)."""
     settings = settings_from_args(a)
-    config = engine_config_from_args(a)
+    if a.config is not None:
+        from rivulet.entrypoints.openai.deployment import DeploymentSpec
+
+        check_no_engine_flags(a)
+        target: Any = DeploymentSpec.load(a.config)
+    else:
+        target = engine_config_from_args(a)
     sock = bind_socket(a.host, a.port)
     try:
-        return asyncio.run(_start_and_serve(config, settings, sock, a))
+        return asyncio.run(_start_and_serve(target, settings, sock, a))
     finally:
         sock.close()
 
 
-async def _start_and_serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket,
-                           a: argparse.Namespace) -> int:
+def check_no_engine_flags(a: argparse.Namespace) -> None:
+    """With --config every model's engine arguments come from the file: a flag beside it would be ignored."""
+    given = [f.name for f in dataclasses.fields(EngineArgs) if getattr(a, f.name, f.default) != f.default]
+    for flag in ("served_model_name", "lora_modules"):
+        if getattr(a, flag, None):
+            given.append(flag)
+    if given:
+        raise RivuletError(f"--config gives every model's engine arguments (its 'args'); drop "
+                           f"--{given[0].replace('_', '-')} or move it into the file")
+
+
+def make_engine(config: EngineConfig, settings: ServerSettings) -> Any:
+    """A supervised engine process for `config`, or its data-parallel replicas behind one client."""
     from rivulet.entrypoints.openai.supervisor import SupervisedEngine
 
     n = config.parallel.data_parallel_size
     logger.info("starting the engine for %s%s", config.model.model, f" ({n} replicas)" if n > 1 else "")
     if n == 1:
-        engine: Any = SupervisedEngine(config, settings.max_engine_restarts, watchdog_s=settings.engine_watchdog_s)
-    else:
-        from rivulet.entrypoints.openai.data_parallel import DataParallelEngine, replica_configs
-        from rivulet.router.policies import POLICIES
+        return SupervisedEngine(config, settings.max_engine_restarts, watchdog_s=settings.engine_watchdog_s)
+    from rivulet.entrypoints.openai.data_parallel import DataParallelEngine, replica_configs
+    from rivulet.router.policies import POLICIES
 
-        # mp: each replica pinned to its share of these cores; ray: placed by Ray, on whatever node
-        cpus = sorted(os.sched_getaffinity(0)) if config.parallel.data_parallel_backend == "mp" else []
-        engine = DataParallelEngine([SupervisedEngine(c, settings.max_engine_restarts,
-                                                      watchdog_s=settings.engine_watchdog_s)
-                                     for c in replica_configs(config, n, cpus)], POLICIES[settings.data_parallel_policy]())
+    # mp: each replica pinned to its share of these cores; ray: placed by Ray, on whatever node
+    cpus = sorted(os.sched_getaffinity(0)) if config.parallel.data_parallel_backend == "mp" else []
+    return DataParallelEngine([SupervisedEngine(c, settings.max_engine_restarts, watchdog_s=settings.engine_watchdog_s)
+                               for c in replica_configs(config, n, cpus)], POLICIES[settings.data_parallel_policy]())
+
+
+async def _start_and_serve(target: Any, settings: ServerSettings, sock: socket.socket, a: argparse.Namespace) -> int:
+    """Start the engine (`target` an EngineConfig) or every model's (a DeploymentSpec), then serve."""
+    from rivulet.entrypoints.openai.deployment import Deployment
+
+    if isinstance(target, EngineConfig):
+        engine: Any = make_engine(target, settings)
+    else:
+        engine = Deployment(spawn=lambda config: make_engine(config, settings))
     try:
-        from rivulet.entrypoints.openai.api_server import serve  # FastAPI: imported while the model loads
+        if isinstance(engine, Deployment):
+            engine.start(target.models)
+        from rivulet.entrypoints.openai.api_server import serve  # FastAPI: imported while the models load
 
         return await serve(engine, settings, sock, a)
     finally:

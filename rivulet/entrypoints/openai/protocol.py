@@ -389,11 +389,25 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    state: Literal["loading", "ready", "unloading"] = "ready"  # Rivulet's: where the model is in its life
+    task: Literal["generate", "embed"] | None = None  # what the model serves (None for a LoRA adapter)
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadModelRequest(BaseModel):
+    """``POST /v1/models/load``: a model entry of a deployment file."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key must not load a different model than meant
+
+    name: str
+    model: str = "default"
+    aliases: list[str] | None = None
+    task: Literal["generate", "embed"] = "generate"
+    args: dict[str, Any] | None = None
 
 
 class LoadLoRAAdapterRequest(OpenAIRequest):
