@@ -28,7 +28,7 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m rivulet.entrypoints.cli serve`` with its output in a log file."""
 
-    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 180.0, engine_defaults: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
@@ -38,7 +38,7 @@ class ServerProcess:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONWARNINGS": "ignore",
                "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "rivulet.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port",
-               str(self.port), *DEFAULT_ARGS, *args]
+               str(self.port), *(DEFAULT_ARGS if engine_defaults else DEFAULT_ARGS[-1:]), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(startup_timeout)
 
