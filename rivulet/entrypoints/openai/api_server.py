@@ -48,6 +48,7 @@ from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComp
 from rivulet.entrypoints.openai.deployment import Deployment, ModelSpec, ServedModel, model_settings
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
+from rivulet.entrypoints.pipelines.pipeline import Pipeline
 from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler
@@ -178,6 +179,8 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
         names = settings.served_model_names
         deployment = Deployment(make_served=lambda spec, e: make_served(spec, e, settings))
         deployment.add(ModelSpec(names[0], settings.model_root or names[0], tuple(names[1:])), engine, "ready")
+    for pipe in deployment.pipeline_specs:
+        deployment.pipelines[pipe.name] = Pipeline(pipe, lambda name: route(name))
     front = deployment.default.ctx
     app = FastAPI(title="Rivulet OpenAI-compatible API", version=rivulet.__version__)
     app.state.ctx, app.state.deployment = front, deployment
@@ -193,6 +196,19 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
             raise OpenAIError(503, f"the model `{requested}` is still loading; retry later", code="model_loading",
                               headers={"Retry-After": "5"})
         return served
+
+    def pipeline(requested: str | None, endpoint: str) -> Pipeline | None:
+        """The pipeline a request names, if it names one (503 while its index is being built)."""
+        pipe = deployment.pipelines.get(requested or "")
+        if pipe is None:
+            return None
+        if endpoint not in ("chat", "completion"):
+            raise OpenAIError(400, f"`{requested}` is a pipeline: it serves chat and completion requests",
+                              param="model")
+        if pipe.state != "ready":
+            raise OpenAIError(503, f"the pipeline `{requested}` is still loading; retry later", code="model_loading",
+                              headers={"Retry-After": "5"})
+        return pipe
 
     def serving() -> list[ServedModel]:
         return [m for m in deployment.models.values() if m.state == "ready"]
@@ -274,6 +290,8 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
     async def list_models() -> JSONBody:
         cards = [model_card(n, m) for m in deployment.models.values() if m.state != "unloading"
                  for n in [*m.spec.names, *m.ctx.adapters]]
+        cards += [ModelCard(id=p.name, state=p.state, task="pipeline", created=p.created,
+                            parent=p.spec.generate.model) for p in deployment.pipelines.values()]
         return JSONBody(ModelList(data=cards).model_dump())
 
     @app.post("/v1/models/load", response_model=ModelCard)
@@ -315,19 +333,25 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        if (pipe := pipeline(body.model, "completion")) is not None:
+            return await pipe.create("completion", body, request)
         return await route(body.model).handlers.completions.create(body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        if (pipe := pipeline(body.model, "chat")) is not None:
+            return await pipe.create("chat", body, request)
         return await route(body.model).handlers.chat.create(body, request)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        pipeline(body.model, "embeddings")
         return await route(body.model).handlers.embeddings.create(body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> JSONBody:
+        pipeline(body.model, "tokenize")
         return JSONBody(route(body.model).handlers.tokens.tokenize(body).model_dump())
 
     @app.post("/detokenize", response_model=DetokenizeResponse)

@@ -82,27 +82,37 @@ class ModelSpec:
 @dataclass(frozen=True)
 class DeploymentSpec:
     models: list[ModelSpec]
+    pipelines: list[Any] = field(default_factory=list)  # PipelineSpec (rivulet/entrypoints/pipelines/)
 
     @classmethod
     def parse(cls, d: Any, where: str = "the deployment") -> DeploymentSpec:
         if not isinstance(d, dict):
             raise RivuletError(f"{where}: expected a mapping with 'models'")
-        if "pipelines" in d:
-            raise RivuletError(f"{where}: 'pipelines' are not supported yet; serve the models alone")
-        unknown = sorted(set(d) - {"models"})
+        unknown = sorted(set(d) - {"models", "pipelines"})
         if unknown:
-            raise RivuletError(f"{where}: unknown key {unknown[0]!r} (known: models)")
+            raise RivuletError(f"{where}: unknown key {unknown[0]!r} (known: models, pipelines)")
         models = d.get("models")
         if not isinstance(models, list) or not models:
             raise RivuletError(f"{where}: 'models' must be a non-empty list")
         specs = [ModelSpec.parse(m, f"{where}: models[{i}]") for i, m in enumerate(models)]
+        pipelines = d.get("pipelines") or []
+        if not isinstance(pipelines, list):
+            raise RivuletError(f"{where}: 'pipelines' must be a list")
+        from rivulet.entrypoints.pipelines.pipeline import PipelineSpec
+
+        try:
+            pipes = [PipelineSpec.parse(p, f"{where}: pipelines[{i}]") for i, p in enumerate(pipelines)]
+        except ValueError as e:
+            raise RivuletError(str(e)) from None
         seen: set[str] = set()
-        for s in specs:
-            for n in s.names:
-                if n in seen:
-                    raise RivuletError(f"{where}: the model name {n!r} is used twice")
-                seen.add(n)
-        return cls(specs)
+        for n in [n for s in specs for n in s.names] + [p.name for p in pipes]:
+            if n in seen:
+                raise RivuletError(f"{where}: the model name {n!r} is used twice")
+            seen.add(n)
+        tasks = {n: s.task for s in specs for n in s.names}
+        for p in pipes:
+            check_pipeline_models(p, tasks, where)
+        return cls(specs, pipes)
 
     @classmethod
     def load(cls, path: str) -> DeploymentSpec:
@@ -116,6 +126,21 @@ class DeploymentSpec:
         except yaml.YAMLError as e:
             raise RivuletError(f"--config {path}: not valid YAML ({e})") from None
         return cls.parse(data, f"--config {path}")
+
+
+def check_pipeline_models(pipe: Any, tasks: dict[str, str], where: str) -> None:
+    """Every model a pipeline's stages name is a model of the deployment, of the right task."""
+    from rivulet.entrypoints.pipelines.stages import RetrieveStage
+
+    for stage in pipe.stages:
+        want = "embed" if isinstance(stage, RetrieveStage) else "generate"
+        for m in stage.models():
+            if m not in tasks:
+                raise RivuletError(f"{where}: pipeline {pipe.name!r}: its {stage.kind} stage names the model {m!r}, "
+                                   "which the deployment does not serve")
+            if tasks[m] != want:
+                raise RivuletError(f"{where}: pipeline {pipe.name!r}: its {stage.kind} stage needs a model of task "
+                                   f"{want}, and {m!r} is {tasks[m]}")
 
 
 def check_memory(spec: ModelSpec, config: EngineConfig) -> None:
@@ -167,13 +192,16 @@ class Deployment:
         self.make_served = make_served
         self.models: dict[str, ServedModel] = {}  # by primary name, in the order they were added
         self._starting: list[tuple[ModelSpec, Any]] = []  # engines started before the app attached
+        self.pipeline_specs: list[Any] = []  # PipelineSpecs, run by the app as Pipelines
+        self.pipelines: dict[str, Any] = {}
         self._lock = asyncio.Lock()
         self.on_fatal: Callable[[str], None] | None = None  # given to engines loaded at run time
 
-    def start(self, specs: list[ModelSpec]) -> None:
+    def start(self, deployment: DeploymentSpec) -> None:
         """Start every model's engine (they load at once, in their own processes); `ready()` waits for them."""
         assert self.spawn is not None
-        for spec in specs:  # (a failure leaves the started ones to `shutdown`)
+        self.pipeline_specs = list(deployment.pipelines)
+        for spec in deployment.models:  # (a failure leaves the started ones to `shutdown`)
             logger.info("starting the engine of %s (%s)", spec.name, spec.model)
             self._starting.append((spec, self.spawn(spec.engine_config())))
 
@@ -195,7 +223,7 @@ class Deployment:
         return served
 
     def names(self) -> set[str]:
-        return {n for m in self.models.values() for n in [*m.spec.names, *m.ctx.adapters]}
+        return {n for m in self.models.values() for n in [*m.spec.names, *m.ctx.adapters]} | set(self.pipelines)
 
     def find(self, requested: str | None) -> ServedModel | None:
         """The model answering to `requested` (a name, an alias or one of its LoRA adapters); None if unknown.
@@ -208,10 +236,12 @@ class Deployment:
         return None
 
     async def ready(self) -> None:
-        """Wait for every engine to load (the first failure raises)."""
+        """Wait for every engine to load (the first failure raises), then ready the pipelines (their indexes)."""
         await asyncio.gather(*(m.engine.ready() for m in self.models.values()))
         for m in self.models.values():
             m.state = "ready"
+        for p in self.pipelines.values():
+            await p.prepare()
 
     async def load(self, spec: ModelSpec) -> ServedModel:
         """Start a model's engine and wait until it serves; RivuletError if its name is taken or it cannot be
@@ -247,6 +277,8 @@ class Deployment:
             raise KeyError(name)
         if len(self.models) == 1:
             raise RivuletError(f"{name!r} is the last model of this server; it cannot be unloaded")
+        if users := sorted(p.name for p in self.pipelines.values() if name in p.spec.models()):
+            raise RivuletError(f"{name!r} serves the pipeline {users[0]!r}; it cannot be unloaded")
         served.state = "unloading"
         deadline = time.monotonic() + timeout
         while served.ctx.active > 0 and time.monotonic() < deadline:

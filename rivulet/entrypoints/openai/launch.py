@@ -200,7 +200,7 @@ async def _start_and_serve(target: Any, settings: ServerSettings, sock: socket.s
         engine = Deployment(spawn=lambda config: make_engine(config, settings))
     try:
         if isinstance(engine, Deployment):
-            engine.start(target.models)
+            engine.start(target)
         from rivulet.entrypoints.openai.api_server import serve  # FastAPI: imported while the models load
 
         return await serve(engine, settings, sock, a)

@@ -390,7 +390,7 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int | None = None
     state: Literal["loading", "ready", "unloading"] = "ready"  # Rivulet's: where the model is in its life
-    task: Literal["generate", "embed"] | None = None  # what the model serves (None for a LoRA adapter)
+    task: Literal["generate", "embed", "pipeline"] | None = None  # what it serves (None for a LoRA adapter)
 
 
 class ModelList(BaseModel):
