@@ -91,6 +91,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     pooled: bytes | None = None  # an embedding request's result: float32 values, native byte order
+    scheduled_time: float | None = None  # on a request's first output: when it was first scheduled (time.time())
 
     @property
     def finished(self) -> bool:

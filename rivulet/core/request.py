@@ -107,6 +107,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prefix-cache hit tokens; -1 until first scheduled
+        self.first_scheduled_time: float | None = None  # wall clock (time.time()) of its first admission
         self.error: str | None = None
         self.num_preemptions = 0
         self.skip_kv_tier = False  # a load from the KV tier failed: compute the rest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -279,6 +280,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.time()
             self.running.add(req)
             out.new_requests.append(
                 NewRequestData(
@@ -419,7 +421,7 @@ class Scheduler:
                 continue
             self._release(req, RequestStatus.FINISHED_STOPPED)
             outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=max(req.num_cached_tokens, 0),
-                                            pooled=result))
+                                            pooled=result, scheduled_time=req.first_scheduled_time))
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or rid not in scheduler_output.sampling_request_ids:
@@ -441,10 +443,11 @@ class Scheduler:
                 if self._check_stop(req):
                     new_ids = new_ids[: k + 1]
                     break
+            first = req.num_output_tokens == len(new_ids)  # its first tokens: when it was scheduled goes too
             outputs.append(
                 EngineCoreOutput(
                     rid, list(new_ids), req.status.finish_reason, req.stop_reason,
-                    max(req.num_cached_tokens, 0),
+                    max(req.num_cached_tokens, 0), scheduled_time=req.first_scheduled_time if first else None,
                 )
             )
             if req.status.is_finished:

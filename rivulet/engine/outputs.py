@@ -45,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # when the engine first scheduled it (time.time()), for traces
 
     @property
     def finished(self) -> bool:
@@ -70,6 +71,7 @@ class PoolingRequestOutput:
     outputs: EmbeddingOutput | None = None  # None until finished
     finished: bool = False
     error: str | None = None  # set when the engine failed the request
+    first_scheduled_time: float | None = None  # when the engine scheduled it (time.time()), for traces
 
 
 @dataclass

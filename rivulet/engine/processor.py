@@ -215,6 +215,7 @@ class RequestProcessor:
     @staticmethod
     def _finish_pooling(req: PoolingRequestOutput, c: Any) -> None:
         req.finished = True
+        req.first_scheduled_time = c.scheduled_time
         if c.pooled is None:
             req.error = c.error or f"the request finished without an embedding ({c.finish_reason})"
         else:
@@ -228,6 +229,8 @@ class RequestProcessor:
             start, entries = so.prompt_logprobs  # a recompute after preemption rewrites the same slots
             req.prompt_logprobs[start:start + len(entries)] = [self._position(e) if e else None for e in entries]
         req.num_cached_tokens = max(req.num_cached_tokens, c.num_cached_tokens)
+        if c.scheduled_time is not None and req.first_scheduled_time is None:
+            req.first_scheduled_time = c.scheduled_time
         if o.finished:
             return False
         new_ids, logprobs = c.new_token_ids, so.logprobs

@@ -66,6 +66,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a generation request not done this long after it arrived: 408, or an error event "
                         "ending its stream (default: no limit)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of requests to this OTLP/HTTP collector, e.g. "
+                        "http://127.0.0.1:4318/v1/traces (default: no traces)")
     p.add_argument("--config", default=None, metavar="DEPLOY.YAML",
                    help="serve several models, each in its own engine, from a deployment file (docs/pipelines.md); "
                         "engine arguments then go in the file")

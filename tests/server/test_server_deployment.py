@@ -28,13 +28,34 @@ def tiny(tmp_path_factory) -> tuple[Path, object]:
     return path, make_tiny_model("llama", path)
 
 
+DOCS = {
+    "zephyr.txt": "The Zephyr-9 rover was assembled in the town of Quillwater in 2031.\n\n"
+                  "Its chief engineer was Marta Oyelaran.",
+    "kettle.md": "# Tea\n\nA kettle boils water for tea. Green tea wants water below the boil.",
+    "trains.txt": "Night trains run between the two capitals twice a week, leaving at nine.",
+}
+
+
 @pytest.fixture(scope="module")
-def deployed(tiny, tmp_path_factory) -> Iterator[ServerProcess]:
+def rag_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    docs = tmp_path_factory.mktemp("docs")
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    return docs, tmp_path_factory.mktemp("index") / "zephyr"
+
+
+@pytest.fixture(scope="module")
+def deployed(tiny, rag_dirs, tmp_path_factory) -> Iterator[ServerProcess]:
     config = {"models": [
         {"name": "chat", "aliases": ["smol"], "args": {**SMALL, "max_model_len": 512}},
         {"name": "tiny", "model": str(tiny[0]), "args": {**SMALL, "dtype": "float32"}},
         {"name": "minilm", "model": str(minilm_dir()), "task": "embed", "args": {"dtype": "float32"}},
-    ]}
+    ], "pipelines": [{"name": "rag", "stages": [
+        {"type": "redact", "patterns": [r"[\w.+-]+@[\w-]+\.[\w.]+"], "replacement": "[email]"},
+        {"type": "retrieve", "embed_model": "minilm", "documents": str(rag_dirs[0]), "index": str(rag_dirs[1]),
+         "top_k": 1, "chunk_chars": 200},
+        {"type": "generate", "model": "chat"},
+    ]}]}
     f = tmp_path_factory.mktemp("deploy") / "deploy.yaml"
     f.write_text(yaml.safe_dump(config))
     # ServerProcess's default engine flags would clash with --config: the file gives them
@@ -54,7 +75,7 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 def test_each_model_answers_by_name(deployed: ServerProcess, tiny) -> None:
     with openai.OpenAI(base_url=deployed.base_url, api_key="unused", max_retries=0, timeout=120) as client:
         ids = {m.id: m for m in client.models.list().data}
-        assert set(ids) == {"chat", "smol", "tiny", "minilm"}
+        assert set(ids) == {"chat", "smol", "tiny", "minilm", "rag"}
         assert all(m.model_extra["state"] == "ready" for m in ids.values())
         assert ids["minilm"].model_extra["task"] == "embed" and ids["chat"].model_extra["task"] == "generate"
         a = client.completions.create(model="chat", prompt="The capital of France is", max_tokens=6, temperature=0)
@@ -81,6 +102,22 @@ def test_each_model_answers_by_name(deployed: ServerProcess, tiny) -> None:
     for name in ("chat", "tiny", "minilm"):
         assert m[f'rivulet:request_success_total{{finished_reason="stop",model_name="{name}"}}'] + \
             m[f'rivulet:request_success_total{{finished_reason="length",model_name="{name}"}}'] >= 1
+
+
+def test_a_rag_pipeline_puts_the_retrieved_passage_into_the_prompt(deployed: ServerProcess, rag_dirs) -> None:
+    with openai.OpenAI(base_url=deployed.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        question = "Which town was the Zephyr-9 rover assembled in? Reply to me at ann@example.com"
+        res = client.chat.completions.create(model="rag", messages=[{"role": "user", "content": question}],
+                                             max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+        assert res.model == "rag"
+        prompt = httpx.post(f"{deployed.url}/detokenize", json={"model": "chat", "tokens": res.model_extra[
+            "prompt_token_ids"]}, timeout=30).json()["prompt"]
+        assert "The Zephyr-9 rover was assembled in the town of Quillwater" in prompt  # the passage, retrieved
+        assert "kettle" not in prompt and "ann@example.com" not in prompt and "[email]" in prompt
+        assert "Quillwater" in res.choices[0].message.content  # only the documents know it
+        models = {m.id: m.model_extra for m in client.models.list().data}
+        assert models["rag"]["task"] == "pipeline" and models["rag"]["state"] == "ready"
+    assert (rag_dirs[1] / "index.faiss").is_file() and (rag_dirs[1] / "passages.json").is_file()
 
 
 def test_load_and_unload_while_requests_run(deployed: ServerProcess, tiny) -> None:
@@ -113,7 +150,7 @@ def test_load_and_unload_while_requests_run(deployed: ServerProcess, tiny) -> No
                                            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert r.json()["choices"][0]["token_ids"] == greedy_reference(tiny[1], [5, 17, 33, 2, 9], 8)
     assert http.post("/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 1}).status_code == 404
-    assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"chat", "smol", "tiny2", "minilm"}
+    assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"chat", "smol", "tiny2", "minilm", "rag"}
 
 
 def deployed_wait_for_running(http: httpx.Client, model: str) -> None:

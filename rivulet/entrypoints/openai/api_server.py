@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -49,7 +49,8 @@ from rivulet.entrypoints.openai.deployment import Deployment, ModelSpec, ServedM
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.entrypoints.pipelines.pipeline import Pipeline
-from rivulet.entrypoints.openai.serving_base import ServerContext
+from rivulet.entrypoints.openai.serving_base import EventStreamResponse, ServerContext
+from rivulet.entrypoints.openai.tracing import REQUEST_SPAN, Attr, Tracer
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler
 from rivulet.entrypoints.openai.serving_embedding import EmbeddingHandler
@@ -160,16 +161,18 @@ class Handlers:
         return cls(CompletionHandler(ctx), ChatHandler(ctx), TokenizationHandler(ctx), EmbeddingHandler(ctx))
 
 
-def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> FastAPI:
+def build_app(engine: EngineClient | Deployment, settings: ServerSettings, tracer: Tracer | None = None) -> FastAPI:
     """The app for one engine (its state hangs off ``app.state.ctx``) or for a deployment of several models
     (``app.state.deployment``; ``app.state.ctx`` is then the first model's, which also counts the app's requests
     in flight and whether it drains)."""
     first_metrics: list[ServerMetrics] = []
+    if tracer is None and settings.otlp_traces_endpoint:
+        tracer = Tracer(settings.otlp_traces_endpoint)
 
     def make_served(spec: ModelSpec, model_engine: EngineClient, model_settings: ServerSettings) -> ServedModel:
         metrics = ServerMetrics(spec.name, like=first_metrics[0] if first_metrics else None)
         first_metrics.append(metrics)
-        ctx = ServerContext(model_engine, model_settings, metrics)
+        ctx = ServerContext(model_engine, model_settings, metrics, tracer)
         return ServedModel(spec, model_engine, ctx, Handlers.of(ctx))
 
     if isinstance(engine, Deployment):
@@ -180,10 +183,10 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
         deployment = Deployment(make_served=lambda spec, e: make_served(spec, e, settings))
         deployment.add(ModelSpec(names[0], settings.model_root or names[0], tuple(names[1:])), engine, "ready")
     for pipe in deployment.pipeline_specs:
-        deployment.pipelines[pipe.name] = Pipeline(pipe, lambda name: route(name))
+        deployment.pipelines[pipe.name] = Pipeline(pipe, lambda name: route(name), tracer)
     front = deployment.default.ctx
     app = FastAPI(title="Rivulet OpenAI-compatible API", version=rivulet.__version__)
-    app.state.ctx, app.state.deployment = front, deployment
+    app.state.ctx, app.state.deployment, app.state.tracer = front, deployment, tracer
     install_exception_handlers(app)
     app.add_middleware(Gate, ctx=front)
 
@@ -209,6 +212,35 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
             raise OpenAIError(503, f"the pipeline `{requested}` is still loading; retry later", code="model_loading",
                               headers={"Retry-After": "5"})
         return pipe
+
+    async def traced(endpoint: str, model: str | None, call: Callable[[], Awaitable[Response]]) -> Response:
+        """`call()`, within a trace span of this HTTP request when tracing is on (it ends with the response, a
+        stream's when the stream does)."""
+        if tracer is None:
+            return await call()
+        span = tracer.start("llm_request", {"http.route": endpoint, Attr.MODEL: model or deployment.default.spec.name})
+        token = REQUEST_SPAN.set(span)
+        try:
+            response = await call()
+        except BaseException as e:
+            span.set_attribute("error.type", type(e).__name__)
+            span.end()
+            raise
+        finally:
+            REQUEST_SPAN.reset(token)
+        span.set_attribute("http.response.status_code", response.status_code)
+        if isinstance(response, EventStreamResponse):
+            close = response.on_close
+
+            async def close_and_end() -> None:
+                try:
+                    await close()
+                finally:
+                    span.end()
+            response.on_close = close_and_end
+        else:
+            span.end()
+        return response
 
     def serving() -> list[ServedModel]:
         return [m for m in deployment.models.values() if m.state == "ready"]
@@ -333,21 +365,26 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings) -> Fa
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        if (pipe := pipeline(body.model, "completion")) is not None:
-            return await pipe.create("completion", body, request)
-        return await route(body.model).handlers.completions.create(body, request)
+        async def call() -> Response:
+            if (pipe := pipeline(body.model, "completion")) is not None:
+                return await pipe.create("completion", body, request)
+            return await route(body.model).handlers.completions.create(body, request)
+        return await traced("/v1/completions", body.model, call)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        if (pipe := pipeline(body.model, "chat")) is not None:
-            return await pipe.create("chat", body, request)
-        return await route(body.model).handlers.chat.create(body, request)
+        async def call() -> Response:
+            if (pipe := pipeline(body.model, "chat")) is not None:
+                return await pipe.create("chat", body, request)
+            return await route(body.model).handlers.chat.create(body, request)
+        return await traced("/v1/chat/completions", body.model, call)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
         pipeline(body.model, "embeddings")
-        return await route(body.model).handlers.embeddings.create(body, request)
+        return await traced("/v1/embeddings", body.model,
+                            lambda: route(body.model).handlers.embeddings.create(body, request))
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> JSONBody:
@@ -423,5 +460,7 @@ async def serve(engine: SupervisedEngine | Deployment, settings: ServerSettings,
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1); the engines started in %.1f s",
                 names, host, port, time.monotonic() - started)
     await server.serve(sockets=[sock])
+    if app.state.tracer is not None:
+        app.state.tracer.shutdown()  # the last spans go out
     logger.info("stopped")
     return 1 if fatal or any(getattr(m.engine, "fatal", None) for m in deployment.models.values()) else 0

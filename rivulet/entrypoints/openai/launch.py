@@ -51,6 +51,7 @@ class ServerSettings:
     data_parallel_policy: str = "cache_aware"  # which replica takes a request (rivulet/router/policies.py)
     max_lora_rank: int | None = None  # --enable-lora: adapters up to this rank may be served; None: LoRA off
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> PEFT folder
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/HTTP collector; None: none
 
     @property
     def admission_limit(self) -> int | None:
@@ -104,7 +105,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
                           engine_watchdog_s=a.engine_watchdog_s, max_request_bytes=a.max_request_bytes,
                           request_timeout=a.request_timeout,
                           data_parallel_policy=a.data_parallel_policy,
-                          max_lora_rank=a.max_lora_rank if a.enable_lora else None, lora_modules=modules)
+                          max_lora_rank=a.max_lora_rank if a.enable_lora else None, lora_modules=modules,
+                          otlp_traces_endpoint=a.otlp_traces_endpoint)
 
 
 def parse_lora_modules(specs: list[str], max_rank: int | None) -> dict[str, str]:

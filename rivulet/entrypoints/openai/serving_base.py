@@ -31,6 +31,7 @@ from rivulet.entrypoints.openai.engine_client import EngineClient, EngineDeadErr
 from rivulet.entrypoints.openai.errors import OpenAIError, dumps, engine_dead_error, error_body
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
+from rivulet.entrypoints.openai.tracing import REQUEST_SPAN, Tracer, now_ns
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader.peft import read_adapter
 from rivulet.pooling_params import PoolingParams
@@ -44,8 +45,10 @@ OFF_LOOP_CHARS = 1 << 15  # prompts longer than this are tokenized in a thread
 class ServerContext:
     """Per-app state: the engine, settings, metrics, and counters of admitted and in-flight requests."""
 
-    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.engine = engine
+        self.tracer = tracer  # OpenTelemetry (--otlp-traces-endpoint); None: no traces
         self.settings = settings
         self.metrics = metrics or ServerMetrics(settings.served_model_names[0])
         self.active = 0  # engine requests admitted and not yet closed
@@ -169,6 +172,7 @@ class RequestGroup:
         self.lora = lora  # every request of the group runs with this LoRA adapter (None: the base model)
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.closed = False
+        self.span = REQUEST_SPAN.get() if ctx.tracer is not None else None  # the HTTP request's trace span
 
     def add(self, prompt: Any, params: SamplingParams | PoolingParams, request_id: str, priority: int = 0) -> None:
         """Add one engine request (an embedding with PoolingParams); it reaches the engine when its stream is
@@ -180,9 +184,13 @@ class RequestGroup:
         tracker = self.ctx.metrics.tracker()
         gen = self.ctx.engine.generate(prompt, params, request_id, priority, self.lora)
         n = params.n if isinstance(params, SamplingParams) else 1
+        arrival_ns, first_ns, last = now_ns(), None, None
         try:
             async for out in gen:
                 tracker.observe(out)
+                last = out
+                if first_ns is None and isinstance(out, RequestOutput) and any(c.token_ids for c in out.outputs):
+                    first_ns = now_ns()
                 yield out
         except RivuletError:
             tracker.done = True  # rejected before it started: not a served request
@@ -193,6 +201,8 @@ class RequestGroup:
         finally:
             tracker.abort(n)  # no-op when it finished
             await close_quietly(gen)
+            if self.span is not None and self.ctx.tracer is not None:
+                self.ctx.tracer.engine_request(self.span, request_id, arrival_ns, first_ns, now_ns(), last, params)
 
     async def prime(self) -> list[RequestOutput]:
         """The first output of every request, all submitted at once; the first error raises (invalid

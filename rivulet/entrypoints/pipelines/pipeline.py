@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError
 from rivulet.entrypoints.openai.serving_base import SSE_DONE, EventStreamResponse, sse
+from rivulet.entrypoints.openai.tracing import REQUEST_SPAN, now_ns
 from rivulet.entrypoints.pipelines.filters import Chain
 from rivulet.entrypoints.pipelines.stages import (GenerateStage, PipelineRequest, RetrieveStage, StageAnswered,
                                                   StageRejected, build_stage)
@@ -57,8 +58,8 @@ class PipelineSpec:
 class Pipeline:
     """The running pipeline: `route(name)` finds a model of the deployment (its ServedModel: handlers, engine)."""
 
-    def __init__(self, spec: PipelineSpec, route: Callable[[str | None], Any]) -> None:
-        self.spec, self.name, self.route = spec, spec.name, route
+    def __init__(self, spec: PipelineSpec, route: Callable[[str | None], Any], tracer: Any = None) -> None:
+        self.spec, self.name, self.route, self.tracer = spec, spec.name, route, tracer
         self.state = "loading"  # until its retrieval indexes are ready
         self.created = int(time.time())
 
@@ -119,16 +120,21 @@ class Pipeline:
         return response
 
     async def _run_input(self, req: PipelineRequest) -> None:
+        span = REQUEST_SPAN.get() if self.tracer is not None else None
         for stage in self.spec.stages:
             saved = (req.body.model_copy(deep=True), req.model, copy.copy(req.context))
+            start = now_ns()
+            outcome = "ok"
             try:
                 work = stage.on_input(req)
                 await (asyncio.wait_for(work, stage.timeout) if stage.timeout else work)
-            except (StageRejected, StageAnswered):
+            except (StageRejected, StageAnswered) as e:
+                outcome = type(e).__name__
                 raise
             except Exception as e:  # noqa: BLE001 - a stage's failure: its on_error decides
                 why = f"timed out after {stage.timeout:g} s" if isinstance(e, asyncio.TimeoutError) \
                     else f"{type(e).__name__}: {e}"
+                outcome = f"{stage.on_error}: {why}"
                 if stage.on_error == "skip":
                     logger.warning("pipeline %s: stage %s skipped: %s", self.name, stage.label, why)
                     req.body, req.model, req.context = saved
@@ -136,6 +142,11 @@ class Pipeline:
                 raise OpenAIError(500 if not isinstance(e, asyncio.TimeoutError) else 504,
                                   f"pipeline {self.name}: stage {stage.label} failed: {why}",
                                   code="stage_failed") from None
+            finally:
+                if span is not None:
+                    self.tracer.child(span, f"stage {stage.label}", start, now_ns(),
+                                      {"rivulet.pipeline": self.name, "rivulet.stage.type": stage.kind,
+                                       "rivulet.stage.outcome": outcome})
 
     async def _filter_stream(self, events: AsyncIterator[str], kind: str,
                              filters: Callable[[], Chain]) -> AsyncIterator[str]:
