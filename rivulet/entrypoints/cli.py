@@ -69,6 +69,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces of requests to this OTLP/HTTP collector, e.g. "
                         "http://127.0.0.1:4318/v1/traces (default: no traces)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log one JSON line per finished request (ids, model, token counts, latencies; no text)")
+    p.add_argument("--log-request-text", action="store_true",
+                   help="with --log-requests: put the prompt and output text in the lines too")
     p.add_argument("--config", default=None, metavar="DEPLOY.YAML",
                    help="serve several models, each in its own engine, from a deployment file (docs/pipelines.md); "
                         "engine arguments then go in the file")
@@ -223,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("rivulet")
     log.handlers = [handler]
     log.setLevel(logging.INFO)
+    lines = logging.StreamHandler(sys.stderr)  # --log-requests: bare JSON lines, for log shippers
+    lines.setFormatter(logging.Formatter("%(message)s"))
+    requests_log = logging.getLogger("rivulet.requests")
+    requests_log.handlers, requests_log.propagate = [lines], False
     try:
         code = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench,
                 "router": cmd_router, "plan": cmd_plan}[a.command](a)

@@ -166,6 +166,10 @@ def test_guards_route_and_template(tokenizer: Any) -> None:
                 break
             await asyncio.sleep(0.02)
         assert not engines["m-chat"].unfinished and engines["m-chat"].aborted
+        metrics = (await c.get("/metrics")).text
+        for stage, outcome in (("guard", "rejected"), ("guard", "answered"), ("route", "ok"), ("template", "ok")):
+            assert f'rivulet:pipeline_stage_seconds_count{{outcome="{outcome}",pipeline="p",stage="{stage}"}}' \
+                in metrics, (stage, outcome)
     run(app, main)
 
 

@@ -131,3 +131,24 @@ def test_pipeline_stages_are_children_of_the_request_span() -> None:
         assert spans[name].attributes["rivulet.stage.outcome"] == "ok"
     assert root.end_time >= spans["stage generate"].end_time  # the stream ended the request span
     assert root.attributes["gen_ai.usage.completion_tokens"] == 2
+
+
+def test_request_log_lines_are_json_without_text_unless_asked() -> None:
+    import json as _json
+
+    for flags, text in ((["--log-requests"], False), (["--log-requests", "--log-request-text"], True)):
+        server = ServerProcess(*flags, "--served-model-name", "smol", "--max-model-len", "512")
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", json={"model": "smol", "prompt": "Secret prompt words",
+                                                                 "max_tokens": 3, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200
+            time.sleep(0.3)
+        finally:
+            server.stop()
+        lines = [_json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        [line] = [x for x in lines if x.get("request_id", "").startswith("cmpl-")]
+        assert line["model"] == "smol" and line["completion_tokens"] == 3 and line["finish_reasons"] == ["length"]
+        assert line["prompt_tokens"] > 2 and 0 <= line["queue_s"] <= line["ttft_s"] <= line["e2e_s"]
+        assert ("Secret prompt words" in server.log()) == text
+        if text:
+            assert line["prompt"] == "Secret prompt words" and len(line["outputs"]) == 1

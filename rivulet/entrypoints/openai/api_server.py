@@ -182,9 +182,9 @@ def build_app(engine: EngineClient | Deployment, settings: ServerSettings, trace
         names = settings.served_model_names
         deployment = Deployment(make_served=lambda spec, e: make_served(spec, e, settings))
         deployment.add(ModelSpec(names[0], settings.model_root or names[0], tuple(names[1:])), engine, "ready")
-    for pipe in deployment.pipeline_specs:
-        deployment.pipelines[pipe.name] = Pipeline(pipe, lambda name: route(name), tracer)
     front = deployment.default.ctx
+    for pipe in deployment.pipeline_specs:
+        deployment.pipelines[pipe.name] = Pipeline(pipe, lambda name: route(name), tracer, front.metrics)
     app = FastAPI(title="Rivulet OpenAI-compatible API", version=rivulet.__version__)
     app.state.ctx, app.state.deployment, app.state.tracer = front, deployment, tracer
     install_exception_handlers(app)

@@ -52,6 +52,8 @@ class ServerSettings:
     max_lora_rank: int | None = None  # --enable-lora: adapters up to this rank may be served; None: LoRA off
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> PEFT folder
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/HTTP collector; None: none
+    log_requests: bool = False  # one JSON line per finished engine request on stderr (logger rivulet.requests)
+    log_request_text: bool = False  # ... with its prompt and output text
 
     @property
     def admission_limit(self) -> int | None:
@@ -83,6 +85,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
     if a.data_parallel_size > 1 and (a.kv_offload_memory or a.kv_tier_path):
         raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) serves one replica: drop it or "
                            "--data-parallel-size")
+    if a.log_request_text and not a.log_requests:
+        raise RivuletError("--log-request-text needs --log-requests")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise RivuletError("--enable-auto-tool-choice needs --tool-call-parser "
                            f"({', '.join(TOOL_CALL_PARSERS)})")
@@ -106,7 +110,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
                           request_timeout=a.request_timeout,
                           data_parallel_policy=a.data_parallel_policy,
                           max_lora_rank=a.max_lora_rank if a.enable_lora else None, lora_modules=modules,
-                          otlp_traces_endpoint=a.otlp_traces_endpoint)
+                          otlp_traces_endpoint=a.otlp_traces_endpoint, log_requests=a.log_requests,
+                          log_request_text=a.log_request_text)
 
 
 def parse_lora_modules(specs: list[str], max_rank: int | None) -> dict[str, str]:

@@ -100,6 +100,10 @@ class ServerMetrics:
                              "Time between successive outputs of a request.", TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("rivulet:e2e_request_latency_seconds", "Arrival to last output.",
                              REQUEST_LATENCY_BUCKETS)
+        self.stage_seconds = Histogram("rivulet:pipeline_stage_seconds",
+                                       "Pipelines: time in each stage's input step, by outcome (ok, skipped, failed, "
+                                       "rejected, answered).", ["pipeline", "stage", "outcome"],
+                                       buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.queue_time = histogram("rivulet:request_queue_time_seconds",
                                     "Arrival to first scheduling (approximated, see RequestTracker).",
                                     REQUEST_LATENCY_BUCKETS)

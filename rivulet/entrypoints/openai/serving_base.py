@@ -38,6 +38,7 @@ from rivulet.pooling_params import PoolingParams
 from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
+request_logger = logging.getLogger("rivulet.requests")  # --log-requests: JSON lines
 T = TypeVar("T")
 OFF_LOOP_CHARS = 1 << 15  # prompts longer than this are tokenized in a thread
 
@@ -201,8 +202,11 @@ class RequestGroup:
         finally:
             tracker.abort(n)  # no-op when it finished
             await close_quietly(gen)
+            end_ns = now_ns()
             if self.span is not None and self.ctx.tracer is not None:
-                self.ctx.tracer.engine_request(self.span, request_id, arrival_ns, first_ns, now_ns(), last, params)
+                self.ctx.tracer.engine_request(self.span, request_id, arrival_ns, first_ns, end_ns, last, params)
+            if self.ctx.settings.log_requests:
+                log_request(self.ctx, request_id, arrival_ns, first_ns, end_ns, last)
 
     async def prime(self) -> list[RequestOutput]:
         """The first output of every request, all submitted at once; the first error raises (invalid
@@ -247,6 +251,30 @@ class RequestGroup:
                 await close_quietly(stream)  # type: ignore[arg-type]
         finally:
             self.ctx.active -= self.slots
+
+
+def log_request(ctx: ServerContext, request_id: str, arrival_ns: int, first_ns: int | None, end_ns: int,
+                out: RequestOutput | PoolingRequestOutput | None) -> None:
+    """One JSON line for a finished (or abandoned) engine request: `--log-requests`; text only with
+    `--log-request-text`."""
+    line: dict[str, Any] = {"time": round(end_ns / 1e9, 3), "request_id": request_id,
+                            "model": ctx.settings.served_model_names[0], "e2e_s": round((end_ns - arrival_ns) / 1e9, 4)}
+    if first_ns is not None:
+        line["ttft_s"] = round((first_ns - arrival_ns) / 1e9, 4)
+    if out is not None:
+        line["prompt_tokens"] = len(out.prompt_token_ids)
+        if out.first_scheduled_time is not None:
+            line["queue_s"] = round(max(0.0, out.first_scheduled_time - arrival_ns / 1e9), 4)
+        if isinstance(out, PoolingRequestOutput):
+            line["kind"], line["finish_reasons"] = "embedding", ["error" if out.error else "stop"]
+        else:
+            line["completion_tokens"] = sum(len(c.token_ids) for c in out.outputs)
+            line["finish_reasons"] = [c.finish_reason or "abort" for c in out.outputs]
+        if ctx.settings.log_request_text:
+            line["prompt"] = out.prompt
+            if isinstance(out, RequestOutput):
+                line["outputs"] = [c.text for c in out.outputs]
+    request_logger.info(dumps(line))
 
 
 def check_errors(outputs: list[RequestOutput | PoolingRequestOutput]) -> None:

@@ -58,8 +58,9 @@ class PipelineSpec:
 class Pipeline:
     """The running pipeline: `route(name)` finds a model of the deployment (its ServedModel: handlers, engine)."""
 
-    def __init__(self, spec: PipelineSpec, route: Callable[[str | None], Any], tracer: Any = None) -> None:
-        self.spec, self.name, self.route, self.tracer = spec, spec.name, route, tracer
+    def __init__(self, spec: PipelineSpec, route: Callable[[str | None], Any], tracer: Any = None,
+                 metrics: Any = None) -> None:
+        self.spec, self.name, self.route, self.tracer, self.metrics = spec, spec.name, route, tracer, metrics
         self.state = "loading"  # until its retrieval indexes are ready
         self.created = int(time.time())
 
@@ -129,12 +130,12 @@ class Pipeline:
                 work = stage.on_input(req)
                 await (asyncio.wait_for(work, stage.timeout) if stage.timeout else work)
             except (StageRejected, StageAnswered) as e:
-                outcome = type(e).__name__
+                outcome = "rejected" if isinstance(e, StageRejected) else "answered"
                 raise
             except Exception as e:  # noqa: BLE001 - a stage's failure: its on_error decides
                 why = f"timed out after {stage.timeout:g} s" if isinstance(e, asyncio.TimeoutError) \
                     else f"{type(e).__name__}: {e}"
-                outcome = f"{stage.on_error}: {why}"
+                outcome = "skipped" if stage.on_error == "skip" else "failed"
                 if stage.on_error == "skip":
                     logger.warning("pipeline %s: stage %s skipped: %s", self.name, stage.label, why)
                     req.body, req.model, req.context = saved
@@ -143,6 +144,8 @@ class Pipeline:
                                   f"pipeline {self.name}: stage {stage.label} failed: {why}",
                                   code="stage_failed") from None
             finally:
+                if self.metrics is not None:
+                    self.metrics.stage_seconds.labels(self.name, stage.label, outcome).observe((now_ns() - start) / 1e9)
                 if span is not None:
                     self.tracer.child(span, f"stage {stage.label}", start, now_ns(),
                                       {"rivulet.pipeline": self.name, "rivulet.stage.type": stage.kind,
