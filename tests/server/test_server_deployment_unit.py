@@ -4,6 +4,7 @@ load and unload at run time (an unload lets requests in flight finish), the memo
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -50,7 +51,7 @@ def make_app(tokenizer: Any, specs: list[ModelSpec], scripts: dict[str, list[int
         return engines[name]
 
     deployment = Deployment(spawn=spawn)
-    deployment.start(specs)
+    deployment.start(DeploymentSpec(specs))
     app = build_app(deployment, ServerSettings(served_model_names=["unused"], **settings))
     return app, engines
 
@@ -71,13 +72,16 @@ def test_the_file_format_is_checked_before_anything_starts(tmp_path) -> None:
                        ({"models": [{"name": "a", "modle": "x"}]}, "unknown key 'modle'"),
                        ({"models": [{"name": "a", "task": "rerank"}]}, "task must be"),
                        ({"models": [{"name": "a", "args": {"model": "x"}}]}, "as a key of the model"),
-                       ({"models": [{"name": "a"}], "pipelines": []}, "not supported yet"),
+                       ({"models": [{"name": "a"}], "pipelines": {}}, "'pipelines' must be a list"),
                        ({"model": []}, "unknown key 'model'")]:
         with pytest.raises(RivuletError, match=match):
             DeploymentSpec.parse(bad)
     f = tmp_path / "d.yaml"
     f.write_text("models:\n  - name: chat\n    args: {dtype: bfloat16}\n")
     assert DeploymentSpec.load(str(f)).models[0].engine_config().model.dtype == "bfloat16"
+    f.write_text("models:\n  - {name: chat}\npipelines:\n  - name: p\n    stages:\n"
+                 "      - {type: redact, patterns: [x], on: [output]}\n      - {type: generate, model: chat}\n")
+    assert DeploymentSpec.load(str(f)).pipelines[0].stages[0].on == {"output"}  # `on` is a key, not YAML 1.1's True
     f.write_text("models: [\n")
     with pytest.raises(RivuletError, match="not valid YAML"):
         DeploymentSpec.load(str(f))
@@ -175,3 +179,15 @@ def test_a_single_engine_server_refuses_runtime_loads(tokenizer: Any) -> None:
             assert r.status_code == 400 and "--config" in r.json()["error"]["message"]
             assert (await c.get("/v1/models")).json()["data"][0]["state"] == "ready"
     asyncio.run(main())
+
+
+def test_the_example_deployment_reads(tmp_path) -> None:
+    from helpers.minilm import minilm_dir
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "rag" / "deploy.yaml"
+    f = tmp_path / "deploy.yaml"
+    f.write_text(example.read_text().replace("MINILM", str(minilm_dir())))
+    spec = DeploymentSpec.load(str(f))
+    assert [m.name for m in spec.models] == ["chat", "minilm"]
+    assert [s.kind for s in spec.pipelines[0].stages] == ["guard", "redact", "retrieve", "generate"]
+    assert spec.pipelines[0].stages[1].on == {"input", "output"}

@@ -95,7 +95,8 @@ class DeploymentSpec:
         if not isinstance(models, list) or not models:
             raise RivuletError(f"{where}: 'models' must be a non-empty list")
         specs = [ModelSpec.parse(m, f"{where}: models[{i}]") for i, m in enumerate(models)]
-        pipelines = d.get("pipelines") or []
+        pipelines = d.get("pipelines")
+        pipelines = [] if pipelines is None else pipelines
         if not isinstance(pipelines, list):
             raise RivuletError(f"{where}: 'pipelines' must be a list")
         from rivulet.entrypoints.pipelines.pipeline import PipelineSpec
@@ -120,12 +121,29 @@ class DeploymentSpec:
 
         p = Path(path).expanduser()
         try:
-            data = yaml.safe_load(p.read_text())
+            data = yaml.load(p.read_text(), Loader=_yaml_loader())
         except OSError as e:
             raise RivuletError(f"--config {path}: {e.strerror or e}") from None
         except yaml.YAMLError as e:
             raise RivuletError(f"--config {path}: not valid YAML ({e})") from None
         return cls.parse(data, f"--config {path}")
+
+
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader with YAML 1.2 booleans: only true/false, so a stage's `on:` key stays a string (YAML
+    1.1 reads on/off/yes/no as booleans)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    bool_tag = "tag:yaml.org,2002:bool"
+    Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != bool_tag]
+                                      for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Loader
 
 
 def check_pipeline_models(pipe: Any, tasks: dict[str, str], where: str) -> None:
