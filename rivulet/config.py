@@ -11,6 +11,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
+def json_object(name: str, value: Any) -> dict[str, Any]:
+    """A dict option given as a dict (Python) or JSON text (the command line: --name-with-dashes)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RivuletError(f"{flag} is not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise RivuletError(f"{name} ({flag}) must be a JSON object, not {type(value).__name__}")
+    return value
+
+
 class RivuletError(ValueError):
     """A user-facing error: bad input, missing files, unsupported model.
 
@@ -167,13 +180,7 @@ class SpeculativeConfig:
         """From `LLM(speculative_config=dict)` or `--speculative-config JSON`; unknown keys are errors."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise RivuletError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise RivuletError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+        value = json_object("speculative_config", value)
         if "method" not in value and value.get("model") is not None:
             value = value | {"method": "draft_model"}
         if value.get("method", "ngram") not in SPECULATIVE_METHODS:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from rivulet.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, RivuletError,
-                            SchedulerConfig, SpeculativeConfig)
+                            SchedulerConfig, SpeculativeConfig, json_object)
 
 
 def _opt(help: str, **cli: Any) -> Any:
@@ -128,7 +127,8 @@ class EngineArgs:
                               seed=self.seed, enforce_eager=self.enforce_eager,
                               compilation_level=self.compilation_level,
                               quantization=self.quantization, task=self.task,  # type: ignore[arg-type]
-                              pooler_config=_json_dict("pooler_config", self.pooler_config)),
+                              pooler_config=None if self.pooler_config is None else json_object(
+                                  "pooler_config", self.pooler_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
                               kv_offload_memory=self.kv_offload_memory, kv_tier_path=self.kv_tier_path,
@@ -147,15 +147,3 @@ class EngineArgs:
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank) if self.enable_lora else None,
         )
 
-
-def _json_dict(name: str, value: dict | str | None) -> dict | None:
-    """A dict option given as a dict (Python) or JSON text (the command line)."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise RivuletError(f"--{name.replace('_', '-')}: not valid JSON ({e.msg})") from None
-    if not isinstance(parsed, dict):
-        raise RivuletError(f"--{name.replace('_', '-')}: expected a JSON object, got {value!r}")
-    return parsed

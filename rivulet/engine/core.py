@@ -27,7 +27,7 @@ from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rivulet.config import EngineConfig, RivuletError
-from rivulet.core import KVCacheManager, Request, Scheduler
+from rivulet.core import KVCacheManager, Scheduler
 from rivulet.core.kv_tier import FILE_OVERHEAD, KVTier
 from rivulet.core.outputs import EngineCoreOutput, SchedulerOutput
 from rivulet.core.request import Request, RequestStatus
@@ -40,7 +40,7 @@ from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.platforms import current_platform
 from rivulet.spec_decode import NgramProposer, SpecDecodeStats
 from rivulet.structured import StructuredOutputManager
-from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from rivulet.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

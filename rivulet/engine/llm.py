@@ -44,18 +44,8 @@ class LLM:
         """Run every prompt to completion, batched; outputs in the order of the prompts. `lora_request`:
         one LoRA adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _as_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, len(prompts), "sampling params")
+        loras = _per_prompt(lora_request, LoRARequest, len(prompts), "LoRA requests")
         return self._run(self._add(prompts, params, loras, priority),  # type: ignore[return-value]
                          use_tqdm and len(prompts) > 1)
 
@@ -81,12 +71,7 @@ class LLM:
         """Embed every prompt (a model started with task="embed"), batched; `out.outputs.embedding` of each,
         in the order of the prompts. Raises RivuletError if the engine fails one."""
         prompts = _as_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
+        params = _per_prompt(pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling params")
         outs = self._run(self._add(prompts, params, [None] * len(prompts), None), use_tqdm and len(prompts) > 1)
         for out in outs:
             if out.error is not None:
@@ -138,3 +123,13 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(value: Any, kind: type, n: int, what: str) -> list[Any]:
+    """One `kind` (or None) for every prompt, or a sequence of one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{n} prompts but {len(values)} {what}")
+    return values

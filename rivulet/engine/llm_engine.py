@@ -8,7 +8,7 @@ from rivulet.config import EngineConfig
 from rivulet.core.request import RequestStatus
 from rivulet.engine.core import EngineCore
 from rivulet.engine.outputs import PoolingRequestOutput, RequestOutput
-from rivulet.engine.processor import ModelInfo, PromptType, RequestProcessor
+from rivulet.engine.processor import PromptType, RequestProcessor
 from rivulet.engine.tokenizer import eos_token_ids, load_tokenizer
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader import resolve_model

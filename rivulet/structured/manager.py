@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import numpy as np
 
 from rivulet.config import RivuletError
 from rivulet.core.outputs import SchedulerOutput

@@ -110,3 +110,23 @@ def test_a_generating_model_refuses_embedding_requests(tiny_model_dir) -> None:
     with pytest.raises(RivuletError, match="--task embed"):
         LLM(str(path), pooler_config={"pooling_type": "MEAN"})
     llm.shutdown()
+
+
+def test_matryoshka_models_cut_to_the_dimensions_asked(tiny_model_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    src, _ = tiny_model_dir("llama")
+    path = tmp_path / "matryoshka"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32, 64]}))
+    llm = LLM(str(path), task="embed", dtype="float32", num_kv_blocks=32)
+    prompt = {"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}
+    full = torch.tensor(llm.embed(prompt, use_tqdm=False)[0].outputs.embedding)
+    cut = torch.tensor(llm.embed(prompt, PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding)
+    assert full.shape == (64,) and cut.shape == (16,)
+    assert torch.allclose(cut, F.normalize(full[:16], dim=0), atol=1e-5)  # the prefix, normalized again
+    with pytest.raises(RivuletError, match="exceeds the model's embedding size"):
+        llm.embed(prompt, PoolingParams(dimensions=65), use_tqdm=False)
+    llm.shutdown()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 

@@ -420,7 +420,7 @@ def test_lora_modules_flag_forms_and_errors(tmp_path: Any) -> None:
 
 def test_until_disconnected_tells_a_leaving_client_from_an_internal_cancellation() -> None:
     from rivulet.entrypoints.openai.errors import OpenAIError
-    from rivulet.entrypoints.openai.serving_base import ClientDisconnected, until_disconnected
+    from rivulet.entrypoints.openai.aio import ClientDisconnected, until_disconnected
 
     async def stays() -> dict:
         await asyncio.sleep(3600)

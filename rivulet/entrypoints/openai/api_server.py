@@ -37,7 +37,6 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import rivulet
-from rivulet.config import RivuletError
 from rivulet.entrypoints.openai.engine_client import EngineClient
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError, error_response, install_exception_handlers
 from rivulet.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -49,7 +48,8 @@ from rivulet.entrypoints.openai.deployment import Deployment, ModelSpec, ServedM
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.entrypoints.pipelines.pipeline import Pipeline
-from rivulet.entrypoints.openai.serving_base import EventStreamResponse, ServerContext
+from rivulet.entrypoints.openai.serving_base import ServerContext
+from rivulet.entrypoints.openai.streaming import EventStreamResponse
 from rivulet.entrypoints.openai.tracing import REQUEST_SPAN, Attr, Tracer
 from rivulet.entrypoints.openai.serving_chat import ChatHandler
 from rivulet.entrypoints.openai.serving_completion import CompletionHandler

@@ -313,4 +313,5 @@ class Deployment:
 def model_settings(settings: Any, spec: ModelSpec, config: EngineConfig) -> Any:
     """The server settings as one model of a deployment sees them: its names and its capacity."""
     return dataclasses.replace(settings, served_model_names=spec.names, model_root=spec.model,
-                               max_num_seqs=config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
+                               max_num_seqs=config.scheduler.max_num_seqs * config.parallel.data_parallel_size,
+                               max_lora_rank=config.lora.max_lora_rank if config.lora else None, lora_modules={})

@@ -41,6 +41,15 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def as_prompt_list(x: str | list[Any]) -> list[str | list[int]]:
+    """A prompt field (a string, a token-id list, or a list of either) as a list of prompts."""
+    if isinstance(x, str):
+        return [x]
+    if x and all(isinstance(t, int) for t in x):
+        return [list(x)]
+    return list(x)
+
+
 class OpenAIRequest(BaseModel):
     """Base of request bodies: unknown fields allowed and ignored, strings must be valid Unicode."""
 
@@ -195,12 +204,7 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a (possibly batched) request: strings or token-id lists."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return as_prompt_list(self.prompt)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``SamplingParams`` for one prompt (RivuletError for invalid values).
@@ -444,12 +448,7 @@ class EmbeddingRequest(OpenAIRequest):
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per embedding: a string or a list of token ids."""
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if x and all(isinstance(t, int) for t in x):
-            return [list(x)]  # type: ignore[arg-type]
-        return list(x)  # type: ignore[arg-type]
+        return as_prompt_list(self.input)
 
 
 class EmbeddingData(BaseModel):

@@ -1,5 +1,5 @@
-"""What the generation endpoints share: per-app context, admission, engine request groups, prompts,
-per-choice streaming deltas, disconnect handling and the SSE response.
+"""What the generation endpoints share: a model's context (its engine, settings, metrics, adapters), admission,
+engine request groups, prompts (streaming answers are in `streaming.py`, asyncio helpers in `aio.py`).
 
 Lifecycle of one HTTP generation request::
 
@@ -18,17 +18,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
-
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from typing import Any, AsyncIterator
 
 from rivulet.config import RivuletError
-from rivulet.engine.outputs import CompletionOutput, PoolingRequestOutput, PositionLogprobs, RequestOutput
+from rivulet.engine.outputs import PoolingRequestOutput, RequestOutput
+from rivulet.entrypoints.openai.aio import Deadline, close_quietly, gather_or_cancel, merge
 from rivulet.entrypoints.openai.engine_client import EngineClient, EngineDeadError
-from rivulet.entrypoints.openai.errors import OpenAIError, dumps, engine_dead_error, error_body
+from rivulet.entrypoints.openai.errors import OpenAIError, dumps
 from rivulet.entrypoints.openai.launch import ServerSettings
 from rivulet.entrypoints.openai.metrics import ServerMetrics
 from rivulet.entrypoints.openai.tracing import REQUEST_SPAN, Tracer, now_ns
@@ -39,7 +36,6 @@ from rivulet.sampling_params import SamplingParams
 
 logger = logging.getLogger("rivulet.server")
 request_logger = logging.getLogger("rivulet.requests")  # --log-requests: JSON lines
-T = TypeVar("T")
 OFF_LOOP_CHARS = 1 << 15  # prompts longer than this are tokenized in a thread
 
 
@@ -145,21 +141,6 @@ class ServerContext:
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """What a request without ``max_tokens`` may generate: the rest of the context (at least 1)."""
         return max(1, self.engine.model_info.max_model_len - num_prompt_tokens)
-
-
-class Deadline:
-    """When a request must be done (``--request-timeout`` from its arrival)."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.at = asyncio.get_running_loop().time() + timeout
-
-    def left(self) -> float:
-        return max(0.0, self.at - asyncio.get_running_loop().time())
-
-    def error(self) -> OpenAIError:
-        return OpenAIError(408, f"the request did not finish within {self.timeout:g} s (--request-timeout)",
-                           code="request_timeout")
 
 
 class RequestGroup:
@@ -287,224 +268,3 @@ def check_errors(outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         for c in out.outputs:
             if c.finish_reason == "error":
                 raise OpenAIError(400, c.error or "the engine rejected the request")
-
-
-# ---------------------------------------------------------------- streaming deltas
-
-@dataclass
-class Delta:
-    """What one choice gained since the last chunk."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class ChoiceState:
-    """How much of one choice was already sent."""
-
-    text_sent: int = 0
-    tokens_sent: int = 0
-    finished: bool = False
-    chars_emitted: int = 0  # text offset for streamed completions logprobs
-
-    def delta(self, c: CompletionOutput) -> Delta | None:
-        """The unsent part of ``c`` (None when nothing is new); marks it sent."""
-        if self.finished:
-            return None
-        text, tokens = c.text[self.text_sent:], c.token_ids[self.tokens_sent:]
-        lps = c.logprobs[self.tokens_sent:len(c.token_ids)] if c.logprobs is not None else None
-        if not text and not tokens and c.finish_reason is None:
-            return None
-        self.text_sent, self.tokens_sent = len(c.text), len(c.token_ids)
-        self.finished = c.finish_reason is not None
-        return Delta(text, tokens, lps, c.finish_reason, c.stop_reason)
-
-
-@dataclass
-class Usage:
-    """Token counts of a response."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-def sse(obj: Any) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {dumps(obj)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def stream_error_event(e: BaseException) -> str:
-    """The event that ends a stream which failed after it started."""
-    if isinstance(e, EngineDeadError):
-        return sse(engine_dead_error(e).body())
-    if isinstance(e, OpenAIError):
-        return sse(e.body())
-    if isinstance(e, RivuletError):
-        return sse(error_body(400, str(e)))
-    return sse(error_body(500, f"internal server error: {type(e).__name__}: {e}"))
-
-
-# ---------------------------------------------------------------- async helpers
-
-async def close_quietly(gen: Any) -> None:
-    """``aclose()`` an async generator; errors are logged, and a cancellation of the caller does not
-    interrupt the close (it runs in its own task)."""
-    task = asyncio.ensure_future(gen.aclose())
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # closing must not fail the caller
-        logger.debug("error while closing a stream", exc_info=True)
-
-
-async def gather_or_cancel(aws: list[Awaitable[T]]) -> list[T]:
-    """``asyncio.gather`` that cancels the rest when one fails (or when it is cancelled itself)."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as they come, as (index, item); the first error raises."""
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((i, item, None, False))
-        except Exception as e:
-            queue.put_nowait((i, None, e, True))
-            return
-        queue.put_nowait((i, None, None, True))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, err, done = await queue.get()
-            if err is not None:
-                raise err
-            if done:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the answer was ready."""
-
-
-async def wait_for_disconnect(receive: Receive) -> None:
-    """Return once the client has disconnected (the request body must already be read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def until_disconnected(receive: Receive, aw: Awaitable[T], deadline: Deadline | None = None) -> T:
-    """Await ``aw``; if the client disconnects first, cancel it (its engine requests are aborted by
-    their streams' cleanup) and raise ClientDisconnected; if `deadline` passes first, cancel it and
-    raise the deadline's 408."""
-    work = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait({work, watch}, timeout=None if deadline is None else deadline.left(),
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-        watch.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
-    if not done and deadline is not None:
-        raise deadline.error()
-    if work.cancelled():
-        if watch in done and not watch.cancelled():
-            if watch.exception() is not None:
-                logger.warning("reading the client's connection failed: %r", watch.exception())
-            raise ClientDisconnected()
-        # cancelled from inside the server, with the client still there: an error it must see, not a 499
-        logger.error("a request was cancelled inside the server while its client waited")
-        raise OpenAIError(500, "the request was cancelled inside the server")
-    return work.result()
-
-
-class EventStreamResponse(Response):
-    """An SSE response that sends ``events`` while watching for the client to leave.
-
-    When the events end, the client disconnects, the deadline passes (the stream then ends with its
-    408 as an error event), or this task is cancelled, ``on_close`` runs (it aborts unfinished engine
-    requests and frees their slots) - whether or not streaming started.
-    """
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str] | None = None, deadline: Deadline | None = None) -> None:
-        super().__init__(status_code=200, media_type="text/event-stream")
-        self.events = events
-        self.on_close = on_close
-        self.deadline = deadline
-        self.started = False
-        self.sse_headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                        "x-accel-buffering": "no", **(headers or {})}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sending = asyncio.ensure_future(self._send_all(send))
-        watch = asyncio.ensure_future(wait_for_disconnect(receive))
-        try:
-            done, _ = await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED,
-                                         timeout=None if self.deadline is None else self.deadline.left())
-        finally:
-            sending.cancel()
-            watch.cancel()
-            await asyncio.gather(sending, watch, return_exceptions=True)
-            await close_quietly(self.events)
-            await self.on_close()
-        if not done and self.deadline is not None:  # out of time: end the stream with the 408 (a stalled client
-            await self._end_with(send, sse(self.deadline.error().body()))  # cannot hold this task: 1 s to take it)
-            return
-        if not sending.cancelled() and sending.exception() is not None:
-            raise sending.exception()  # type: ignore[misc]
-
-    async def _start(self, send: Send) -> None:
-        self.started = True
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.sse_headers.items()]})
-
-    async def _send_all(self, send: Send) -> None:
-        await self._start(send)
-        async for event in self.events:
-            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _end_with(self, send: Send, event: str) -> None:
-        async def end() -> None:
-            if not self.started:
-                await self._start(send)
-            await send({"type": "http.response.body", "body": (event + SSE_DONE).encode(), "more_body": False})
-        try:
-            await asyncio.wait_for(end(), 1.0)
-        except (asyncio.TimeoutError, OSError):
-            logger.info("a timed-out stream's client did not take its last event")

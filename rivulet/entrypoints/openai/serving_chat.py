@@ -21,9 +21,10 @@ from rivulet.entrypoints.openai.logprobs import chat_logprobs, token_text_fn
 from rivulet.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                  ChatMessage, ChatResponseMessage)
 from rivulet.entrypoints.openai.protocol import Usage as UsageModel
-from rivulet.entrypoints.openai.serving_base import (OFF_LOOP_CHARS, SSE_DONE, ChoiceState, ClientDisconnected,
-                                                     EventStreamResponse, RequestGroup, ServerContext, Usage, sse,
-                                                     stream_error_event, until_disconnected)
+from rivulet.entrypoints.openai.aio import ClientDisconnected, until_disconnected
+from rivulet.entrypoints.openai.serving_base import OFF_LOOP_CHARS, RequestGroup, ServerContext
+from rivulet.entrypoints.openai.streaming import (SSE_DONE, ChoiceState, EventStreamResponse, Usage, sse,
+                                                 stream_error_event)
 from rivulet.entrypoints.openai.reasoning import END, ReasoningStream, reasoning_fields, split_reasoning
 from rivulet.entrypoints.openai.tools import ToolCall, ToolPlan, plan_tools, streamable_prefix
 

@@ -21,9 +21,10 @@ from rivulet.entrypoints.openai.logprobs import completion_logprobs, token_text_
 from rivulet.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                  CompletionResponse)
 from rivulet.entrypoints.openai.protocol import Usage as UsageModel
-from rivulet.entrypoints.openai.serving_base import (SSE_DONE, ChoiceState, ClientDisconnected, EventStreamResponse,
-                                                     RequestGroup, ServerContext, Usage, sse, stream_error_event,
-                                                     until_disconnected)
+from rivulet.entrypoints.openai.aio import ClientDisconnected, until_disconnected
+from rivulet.entrypoints.openai.serving_base import RequestGroup, ServerContext
+from rivulet.entrypoints.openai.streaming import (SSE_DONE, ChoiceState, EventStreamResponse, Usage, sse,
+                                                 stream_error_event)
 from rivulet.sampling_params import SamplingParams
 
 

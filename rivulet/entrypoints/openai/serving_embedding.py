@@ -13,7 +13,8 @@ from starlette.responses import Response
 from rivulet.engine.outputs import PoolingRequestOutput
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError
 from rivulet.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from rivulet.entrypoints.openai.serving_base import ClientDisconnected, ServerContext, until_disconnected
+from rivulet.entrypoints.openai.aio import ClientDisconnected, until_disconnected
+from rivulet.entrypoints.openai.serving_base import ServerContext
 from rivulet.pooling_params import PoolingParams
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request

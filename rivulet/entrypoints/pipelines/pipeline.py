@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.responses import Response
 
 from rivulet.entrypoints.openai.errors import JSONBody, OpenAIError
-from rivulet.entrypoints.openai.serving_base import SSE_DONE, EventStreamResponse, sse
+from rivulet.entrypoints.openai.streaming import SSE_DONE, EventStreamResponse, sse
 from rivulet.entrypoints.openai.tracing import REQUEST_SPAN, now_ns
 from rivulet.entrypoints.pipelines.filters import Chain
 from rivulet.entrypoints.pipelines.stages import (GenerateStage, PipelineRequest, RetrieveStage, StageAnswered,
