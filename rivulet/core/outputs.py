@@ -6,11 +6,17 @@ scheduler), so msgspec encodes them, and rebuilds them from their annotations, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rivulet.lora_request import LoRARequest  # a leaf module
 from rivulet.pooling_params import PoolingParams  # a leaf module
 from rivulet.sampling_params import SamplingParams  # a leaf module: carried, never read, by the scheduler
+
+# A step's grammar bitmask, asked for once its forward pass has run: int32 [logits rows, ceil(vocab / 32)]
+# as bytes (bit j of word w allows token 32w + j), a row per logits row in batch order; None when no row
+# is constrained
+GrammarBitmask = Callable[[], "bytes | None"]
 
 
 @dataclass
@@ -64,9 +70,9 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: set[str] = field(default_factory=set)
     pooling_request_ids: set[str] = field(default_factory=set)  # embeddings: whole prompts, pooled this step
-    # structured output: int32 [logits rows, ceil(vocab / 32)] as bytes (bit j of word w allows token
-    # 32w + j), one row per logits row of the step in batch order; None when no row is constrained
-    grammar_bitmask: bytes | None = None
+    # structured output: some sampling request has a grammar, so the step's bitmask follows the forward pass
+    # (the engine fills it while the forward runs; `execute`'s grammar_bitmask, broadcast to every rank)
+    grammar_follows: bool = False
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # the KV tier (rivulet/core/kv_tier.py): blocks to copy out after this step's forward (device block,
     # host slot or -1, file key or "", token ids), block files to delete, and per request the blocks to load

@@ -13,6 +13,14 @@ before step N's tokens are known: each running request gets one token whose inpu
 step N samples (the runner has it; the scheduler counts it as a placeholder). Greedy outputs
 are the synchronous loop's; a request that step N finishes wastes its slot in step N+1.
 With speculative decoding the loop runs synchronously (drafts need the last token).
+
+Structured output: a step with constrained rows asks for its grammar bitmask only after its forward
+pass (`execute(..., grammar_bitmask)`), so the mask is filled meanwhile: synchronously in the step
+thread (the forward stays on this one); asynchronously on this thread, once step N's tokens have moved
+the matchers, while step N+1's forward runs:
+
+    main thread:    schedule N+1 | wait for N | update N (matchers take N's tokens) | mask of N+1 | ...
+    worker thread:  ... execute N ............| forward N+1 ..................................| sample N+1
 """
 
 from __future__ import annotations
@@ -79,6 +87,16 @@ def check_task(config: EngineConfig, arch: ArchConfig) -> None:
             raise RivuletError(f"--task embed runs without {what}")
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step handed to the executor: its outputs to come, and the grammar bitmask it waits for after its
+    forward pass (None for a step with no constrained row), which the engine thread fills."""
+
+    sched: SchedulerOutput
+    result: Future[ModelRunnerOutput]
+    mask: Future[bytes | None] | None = None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
@@ -135,8 +153,10 @@ class EngineCore:
         use_async = config.scheduler.async_scheduling
         if use_async is None:
             use_async = current_platform().computes_apart_from_host
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-step") if use_async else None
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        self.async_scheduling = use_async
+        # runs a step while this thread schedules the next one (async) or fills the step's grammar bitmask
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-step")
+        self._in_flight: _Launched | None = None
         # draft tokens for a decoding request (k-token steps): the n-gram proposer (or a test's) here, before
         # each schedule; a draft model's come with each step's output from the runner
         self.speculative = spec is not None
@@ -190,13 +210,13 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self._in_flight is not None:
+            self._fill_bitmask(self._in_flight)
             try:
-                self._in_flight[1].result()
+                self._in_flight.result.result()
             except Exception:  # noqa: BLE001 - shutting down regardless
                 pass
             self._in_flight = None
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._pool.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
 
@@ -237,35 +257,51 @@ class EngineCore:
         """Outputs of one step: the one just run (synchronous), or the one that was in flight (async;
         the first call of a run returns nothing and leaves its step running)."""
         failed = self._admit_compiled() if self.structured.num_waiting else []
-        if self._pool is None or self.speculative or self.proposer is not None or self._constrained():
+        if not self.async_scheduling or self.speculative or self.proposer is not None:
             if self._in_flight is not None:  # switching to the synchronous loop: finish the step in flight
-                return failed + self._finish(*self._take_in_flight())
+                return failed + self._finish(self._take_in_flight())
             if not self.scheduler.has_unfinished_requests():
                 return failed
             self._propose()
-            sched = self.scheduler.schedule()
-            sched.grammar_bitmask = self.structured.bitmask(sched, self.scheduler.requests)
-            return failed + self._finish(sched, self.executor.execute(sched))
-        nxt = None
-        if self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
-            nxt = (sched, self._pool.submit(self.executor.execute, sched))
-        if self._in_flight is None:
-            self._in_flight = nxt
-            return failed
-        done = self._take_in_flight()
-        self._in_flight = nxt
-        return failed + self._finish(*done)
+            return failed + self._finish(self._launch(self.scheduler.schedule()))
+        nxt = self._launch(self.scheduler.schedule()) if self.scheduler.has_unfinished_requests() else None
+        done, self._in_flight = self._in_flight, nxt
+        try:
+            return failed + (self._finish(done) if done is not None else [])
+        finally:
+            if nxt is not None:  # the matchers have taken step N's tokens: step N+1's mask
+                self._fill_bitmask(nxt)
 
     def drain(self) -> list[StepOutput]:
         """Wait for the step in flight, if any, and return its outputs (async scheduling)."""
-        return self._finish(*self._take_in_flight()) if self._in_flight is not None else []
+        return self._finish(self._take_in_flight()) if self._in_flight is not None else []
 
-    def _take_in_flight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+    def _take_in_flight(self) -> _Launched:
         assert self._in_flight is not None
-        sched, fut = self._in_flight
-        self._in_flight = None
-        return sched, fut.result()
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _launch(self, sched: SchedulerOutput) -> _Launched:
+        """Run `sched`: in the step thread (async), or here with its grammar bitmask filled in the step
+        thread meanwhile (synchronous: the forward pass stays on this thread, with its CPU thread team)."""
+        follows = sched.grammar_follows = self.structured.constrained(sched, self.scheduler.requests)
+        if self.async_scheduling:
+            mask: Future[bytes | None] | None = Future() if follows else None
+            return _Launched(sched, self._pool.submit(self.executor.execute, sched, mask and mask.result), mask)
+        mask = self._pool.submit(self.structured.bitmask, sched, self.scheduler.requests) if follows else None
+        done: Future[ModelRunnerOutput] = Future()
+        done.set_result(self.executor.execute(sched, mask and mask.result))
+        return _Launched(sched, done)
+
+    def _fill_bitmask(self, step: _Launched) -> None:
+        """Give an async `step` its grammar bitmask from the matchers as they are now; a failure here fails
+        the step (it surfaces from its result), never leaves it waiting."""
+        if step.mask is None or step.mask.done():
+            return
+        try:
+            step.mask.set_result(self.structured.bitmask(step.sched, self.scheduler.requests))
+        except BaseException as e:  # noqa: BLE001 - handed to the step
+            step.mask.set_exception(e)
 
     def _admit_compiled(self) -> list[StepOutput]:
         """Queue the requests whose grammar is ready; error outputs for those whose grammar failed.
@@ -281,7 +317,7 @@ class EngineCore:
         return outs
 
     def _constrained(self) -> bool:
-        """Some request has a grammar: its next mask needs this step's tokens, so steps run in turn."""
+        """Some request has a grammar (its matcher must take the step's tokens)."""
         return any(r.grammar is not None for r in self.scheduler.requests.values())
 
     def _propose(self) -> None:
@@ -292,10 +328,11 @@ class EngineCore:
             return
         for req in self.scheduler.running:
             if req.num_tokens - req.num_computed_tokens == 1 and not req.num_output_placeholders \
-                    and req.grammar is None:  # no drafts under a grammar (its matcher cannot follow them yet)
+                    and _may_draft(req):
                 req.spec_token_ids = list(self.proposer(req))
 
-    def _finish(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
+    def _finish(self, step: _Launched) -> list[StepOutput]:
+        sched, result = step.sched, step.result.result()
         for rid, spec in sched.scheduled_spec_tokens.items():
             got = result.sampled_token_ids.get(rid)
             if got:
@@ -309,7 +346,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result.sampled_token_ids, result.pooled)
         for rid, drafts in result.draft_token_ids.items():
             req = self.scheduler.requests.get(rid)
-            if req is not None and req.status == RequestStatus.RUNNING and req.grammar is None:
+            if req is not None and req.status == RequestStatus.RUNNING and _may_draft(req):
                 req.spec_token_ids = drafts
         self._release_if_idle()
         steps = [StepOutput(o, result.logprobs.get(o.request_id, []), result.prompt_logprobs.get(o.request_id))
@@ -318,3 +355,9 @@ class EngineCore:
         steps += [StepOutput(EngineCoreOutput(rid, []), [], lps)  # mid-prompt chunks: prompt logprobs only
                   for rid, lps in result.prompt_logprobs.items() if rid not in reported]
         return steps
+
+
+def _may_draft(req: Request) -> bool:
+    """Drafts are verified under a grammar that is on (each draft row masked after the drafts before it);
+    a grammar still waiting for its start tokens could start inside the drafts, so none then."""
+    return req.grammar is None or req.grammar.active

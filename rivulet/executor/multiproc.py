@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rivulet.config import EngineConfig, RivuletError
-from rivulet.core.outputs import SchedulerOutput
+from rivulet.core.outputs import GrammarBitmask, SchedulerOutput
 from rivulet.distributed import ParallelState, set_parallel_state
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource, load_arch_config
@@ -94,13 +94,13 @@ class MultiprocExecutor:
         if dead:
             raise RivuletError(f"worker rank(s) {', '.join(dead)} exited; the engine cannot continue")
 
-    def _call(self, command: WorkerCommand) -> Any:
+    def _call(self, command: WorkerCommand, grammar_bitmask: GrammarBitmask | None = None) -> Any:
         """Every rank runs `command`. One call at a time: the engine's step thread and a caller's
         `collect` must not interleave their collectives."""
         with self._lock:
             self.check_health()
             Worker.broadcast_command(command)
-            return self.worker.run(command)
+            return self.worker.run(command, grammar_bitmask)
 
     @property
     def arch_config(self) -> ArchConfig:
@@ -118,8 +118,8 @@ class MultiprocExecutor:
     def initialize_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
         self._call(AllocateKVCache(num_blocks, host_slots, disk_dir))
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call(Execute(out))
+    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        return self._call(Execute(out), grammar_bitmask)
 
     def collect(self, name: str) -> list[Any]:
         """Every rank's statistics `name` (see `Worker.local_stats`), in rank order."""

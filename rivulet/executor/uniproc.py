@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rivulet.config import EngineConfig
 from rivulet.distributed import ParallelState, set_parallel_state
-from rivulet.core.outputs import SchedulerOutput
+from rivulet.core.outputs import GrammarBitmask, SchedulerOutput
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource
 from rivulet.worker.model_runner import ModelRunner
@@ -32,8 +32,8 @@ class UniProcExecutor:
     def initialize_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
         self.runner.allocate_kv_cache(num_blocks, host_slots, disk_dir)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(out)
+    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        return self.runner.execute(out, grammar_bitmask)
 
     def check_health(self) -> None:
         """One rank, in this process: healthy while this runs."""

@@ -123,25 +123,49 @@ class StructuredOutputManager:
 
     # ---- each step ----
 
+    @staticmethod
+    def constrained(out: SchedulerOutput, requests: dict[str, Request]) -> bool:
+        """Whether a request that samples this step has a grammar (so the step needs a bitmask)."""
+        for rid in out.sampling_request_ids:
+            req = requests.get(rid)
+            if req is not None and req.grammar is not None:
+                return True
+        return False
+
     def bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> bytes | None:
         """int32 [logits rows, ceil(vocab / 32)] as bytes, rows in the runner's order (each sampling
-        request, 1 + its drafts rows); None when no row is constrained."""
-        rows: list[Any] = []
+        request, 1 + its drafts rows); None when no row is constrained.
+
+        A request's draft rows hold the masks after its drafts: the matcher takes the drafts one by one
+        (then rolls them back). Rows after a draft the grammar refuses stay all ones: the row before it
+        disallows that draft, so verification never reaches them."""
+        rows: list[tuple[Any, list[int]]] = []
         for rid in out.num_scheduled_tokens:
             if rid in out.sampling_request_ids:
                 req = requests.get(rid)
                 grammar = req.grammar if req is not None else None
-                rows.append(grammar.matcher if grammar is not None and grammar.active else None)
-                rows += [None] * len(out.scheduled_spec_tokens.get(rid, ()))
-        if not any(g is not None for g in rows):
+                matcher = grammar.matcher if grammar is not None and grammar.active else None
+                rows.append((matcher, out.scheduled_spec_tokens.get(rid, [])))
+        if not any(m is not None for m, _ in rows):
             return None
         import torch
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
-        for i, g in enumerate(rows):
-            if g is not None and not g.is_terminated():
-                g.fill_next_token_bitmask(mask, i)
+        mask = xgr.allocate_token_bitmask(sum(1 + len(d) for _, d in rows), self.vocab_size)  # all allowed
+        i = 0
+        for matcher, drafts in rows:
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask, i)
+                taken = 0
+                for d in drafts:
+                    if matcher.is_terminated() or not matcher.accept_token(d):
+                        break
+                    taken += 1
+                    if not matcher.is_terminated():
+                        matcher.fill_next_token_bitmask(mask, i + taken)
+                if taken:
+                    matcher.rollback(taken)
+            i += 1 + len(drafts)
         assert mask.dtype == torch.int32
         return mask.numpy().tobytes()
 

@@ -10,7 +10,7 @@ import torch
 
 from rivulet.compilation import CompiledForward
 from rivulet.config import CacheConfig, LoRAConfig, ModelConfig, RivuletError, SpeculativeConfig
-from rivulet.core.outputs import SchedulerOutput
+from rivulet.core.outputs import GrammarBitmask, SchedulerOutput
 from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
 from rivulet.layers.pooler import finish_embedding, pool
@@ -182,13 +182,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One whole step: `execute_model` then `sample_tokens` (with the step's grammar bitmask)."""
+    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """One whole step: `execute_model`, then `sample_tokens` with the step's grammar bitmask, asked for
+        only once the forward pass has run (the engine fills it meanwhile)."""
         self.execute_model(out)
+        data = grammar_bitmask() if grammar_bitmask is not None else None
         mask = None
-        if out.grammar_bitmask is not None:
-            mask = torch.frombuffer(bytearray(out.grammar_bitmask), dtype=torch.int32)
-            mask = mask.view(-1, (self.arch.vocab_size + 31) // 32)
+        if data:
+            mask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(-1, (self.arch.vocab_size + 31) // 32)
         return self.sample_tokens(mask)
 
     @torch.inference_mode()

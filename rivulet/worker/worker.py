@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rivulet.config import EngineConfig
+from rivulet.core.outputs import GrammarBitmask
 from rivulet.distributed import broadcast_bytes, get_comm_stats, init_distributed, reset_comm_stats
 from rivulet.models.loader import ModelSource, resolve_model
 from rivulet.platforms import current_platform
@@ -45,10 +46,11 @@ class Worker:
         self.runner = ModelRunner(config.model, config.cache, source, config.speculative, config.lora)
         self.step_time_s, self.steps = 0.0, 0
 
-    def run(self, command: WorkerCommand) -> Any:
-        """Carry out one of rank 0's commands (every rank runs each one)."""
+    def run(self, command: WorkerCommand, grammar_bitmask: GrammarBitmask | None = None) -> Any:
+        """Carry out one of rank 0's commands (every rank runs each one); `grammar_bitmask` is rank 0's
+        source of an Execute's bitmask, broadcast to the others after the forward pass."""
         if isinstance(command, Execute):
-            return self.execute(command.out)
+            return self.execute(command.out, grammar_bitmask)
         if isinstance(command, Gather):
             return self.gather(command.name)
         if isinstance(command, SetEosTokenIds):
@@ -57,9 +59,18 @@ class Worker:
             return self.runner.allocate_kv_cache(command.num_blocks, command.host_slots, command.disk_dir)
         raise TypeError(f"not a command a worker runs: {command!r}")
 
-    def execute(self, out: Any) -> ModelRunnerOutput:
+    def _bitmask_from_rank0(self, source: GrammarBitmask | None) -> bytes | None:
+        """Rank 0's bitmask on every rank (one byte stands for none: a mask is whole int32 words)."""
+        data = None
+        if self.rank == 0:
+            data = (source() if source is not None else None) or b"\0"
+        data = broadcast_bytes(data, src=0)
+        return data if len(data) > 1 else None
+
+    def execute(self, out: Any, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         start = time.perf_counter()
-        result = self.runner.execute(out)
+        mask = (lambda: self._bitmask_from_rank0(grammar_bitmask)) if out.grammar_follows else None
+        result = self.runner.execute(out, mask)
         st = self.state
         if st.pp_size > 1 and not out.is_empty:
             last = st.world_size - st.tp_size  # rank 0 of the last stage's tensor-parallel group

@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 
+from helpers.constrained import JSON_PROMPT, constrained_params
 from rivulet import LLM, RivuletError, SamplingParams
 from rivulet.models.arch_config import ArchConfig
 from rivulet.plan.cost import Layout, ModelCost
@@ -163,16 +164,19 @@ def test_expert_load_stats_and_hot_expert_replication(tiny_model_dir):
 
 
 def test_default_model_pp2_and_dead_worker(default_reference):
-    prompts, want, _ = default_reference
+    ref = default_reference
     llm = LLM(dtype="float32", max_model_len=256, pipeline_parallel_size=2, pipeline_micro_batches=2)
     try:
         greedy16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy16, use_tqdm=False)]
-        assert got == want  # 30 layers: 15 per stage, tied LM head on stage 1
+        got = [o.outputs[0].token_ids for o in llm.generate(ref.prompts, greedy16, use_tqdm=False)]
+        assert got == ref.tokens  # 30 layers: 15 per stage, tied LM head on stage 1
+        # the grammar bitmask, filled on rank 0 (stage 0) during the forward, reaches the sampling stage
+        out = llm.generate(JSON_PROMPT, constrained_params(), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ref.constrained and json.loads(out.text)
         os.kill(llm.engine.core.executor.procs[0].pid, signal.SIGKILL)
         llm.engine.core.executor.procs[0].wait()
         with pytest.raises((RivuletError, RuntimeError), match="exited|closed|Connection"):
-            llm.generate(prompts[0], GREEDY, use_tqdm=False)
+            llm.generate(ref.prompts[0], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
 

@@ -27,7 +27,7 @@ def test_parallel_config_round_trips_as_json():
 def test_serve_parallel_default_model_same_greedy_text(flags, default_reference):
     """Through `rivulet serve`: the same greedy text as one rank (the default model's 9 heads and
     3 KV heads split over 3 ranks; its 30 layers over 2 stages)."""
-    prompts, _, texts = default_reference
+    prompts, texts = default_reference.prompts, default_reference.texts
     server = ServerProcess(*flags, "--max-model-len", "256", startup_timeout=300)
     try:
         body = {"model": "default", "prompt": prompts, "max_tokens": 16, "temperature": 0, "ignore_eos": True}

@@ -50,15 +50,15 @@ def _check_modes(model: str, vocab: int, **kw) -> None:
     want = _tokens(sync, prompts, params)
     sync.shutdown()
     llm = LLM(model, dtype="float32", async_scheduling=True, **kw)
-    assert llm.engine.core._pool is not None
+    assert llm.engine.core.async_scheduling
     assert _tokens(llm, prompts, params) == want, "async scheduling changed the tokens"
     reference = {tuple(p["prompt_token_ids"]): w for p, w in zip(prompts, want)}
     core = llm.engine.core
     core.proposer = drafts = Drafts(reference)
     accepted, execute = [0], core.executor.execute
 
-    def counting(out):
-        result = execute(out)
+    def counting(out, grammar_bitmask=None):
+        result = execute(out, grammar_bitmask)
         accepted[0] += sum(len(t) - 1 for t in result.sampled_token_ids.values())
         return result
 
@@ -84,7 +84,7 @@ def test_async_and_draft_steps_match_sync_on_the_default_model(kw):
 def test_cpu_default_is_synchronous():
     """On CPU the forward pass uses every core: a second busy thread would stall it (docs/cpu.md)."""
     llm = LLM("default", dtype="float32", max_model_len=64, num_kv_blocks=8)
-    assert llm.engine.core._pool is None
+    assert not llm.engine.core.async_scheduling
 
 
 def test_async_abort_mid_flight_frees_everything():

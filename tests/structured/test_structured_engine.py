@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
+import torch
 
 from rivulet import LLM, SamplingParams
 from rivulet.config import RivuletError
+from rivulet.core.outputs import SchedulerOutput
+from rivulet.structured.manager import RequestGrammar
 from rivulet.sampling_params import StructuredOutputsParams as S
 
 SCHEMAS = {
@@ -110,7 +115,7 @@ def test_bad_grammars_are_clear_errors(llm):
 
 def test_random_weights_still_follow_the_grammar():
     """A random-weight model of the default model's shape (its real tokenizer): the output is noise, but
-    noise that fits the schema; with n-gram drafts on, constrained requests simply go without them."""
+    noise that fits the schema, also with n-gram drafts verified under the grammar."""
     llm = LLM("default", load_format="dummy", max_model_len=512,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     schema = SCHEMAS["array-enum-range"]
@@ -133,3 +138,108 @@ def test_a_grammar_can_start_after_given_tokens(llm):
     assert list(got.token_ids[:k]) == list(free[:k])
     tail = llm.get_tokenizer().decode(got.token_ids[k:], skip_special_tokens=True)
     assert tail in ("alpha", "beta") and got.finish_reason == "stop"
+
+
+def _record_overlap(llm: LLM):
+    """Slow the forward pass and the mask fill down (50 ms each) and record when each ran."""
+    core = llm.engine.core
+    runner, structured = core.executor.runner, core.structured
+    forwards, fills = [], []
+    run_model, bitmask = runner._run_model, structured.bitmask
+
+    def timed(fn, into):
+        def wrapper(*args):
+            t0 = time.monotonic()
+            time.sleep(0.05)
+            out = fn(*args)
+            into.append((t0, time.monotonic()))
+            return out
+        return wrapper
+
+    runner._run_model, structured.bitmask = timed(run_model, forwards), timed(bitmask, fills)
+
+    def restore():
+        del runner._run_model, structured.bitmask
+    return forwards, fills, restore
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_mask_is_filled_while_the_forward_runs(async_scheduling):
+    """Each step's grammar bitmask is filled during its forward pass (asynchronously: once the step
+    before has moved the matchers), not before it; the tokens are the same either way."""
+    llm = LLM("default", dtype="float32", max_model_len=256, async_scheduling=async_scheduling)
+    assert llm.engine.core.async_scheduling == async_scheduling
+    sp = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=S(json=SCHEMAS["array-enum-range"])),
+          SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    plain = [o.outputs[0].token_ids for o in llm.chat([MSGS, MSGS], sp, use_tqdm=False)]
+    forwards, fills, restore = _record_overlap(llm)
+    try:
+        outs = llm.chat([MSGS, MSGS], sp, use_tqdm=False)
+    finally:
+        restore()
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS["array-enum-range"])
+    assert len(fills) >= 5
+    for a, b in fills:  # each fill overlaps a forward pass (sequential: a fill ends before its forward starts)
+        assert any(a < d and c < b for c, d in forwards), (a, b, forwards)
+    llm.shutdown()
+
+
+def test_draft_rows_are_masked_after_the_drafts(llm):
+    """A request's draft rows hold the masks after its drafts; after a draft the grammar refuses, the rows
+    are all ones (never reached); the matcher is left as it was."""
+    import xgrammar as xgr
+
+    structured = llm.engine.core.structured
+    compiled = structured._compile(S(choice=["hello world", "help me"]))
+    tok = llm.get_tokenizer()
+    good = tok.encode("hello world", add_special_tokens=False)
+    assert len(good) >= 2
+    words = (structured.vocab_size + 31) // 32
+
+    def expected(prefix):
+        m = xgr.GrammarMatcher(compiled)
+        for t in prefix:
+            assert m.accept_token(t)
+        mask = xgr.allocate_token_bitmask(1, structured.vocab_size)
+        m.fill_next_token_bitmask(mask, 0)
+        return mask[0].tolist()
+
+    bad = tok.encode(" me", add_special_tokens=False)[:1]
+    for drafts, valid in [(good, len(good)), (good[:1] + bad, 1)]:
+        matcher = xgr.GrammarMatcher(compiled)
+        reqs = {"r": SimpleNamespace(grammar=RequestGrammar(matcher, None)), "free": SimpleNamespace(grammar=None)}
+        out = SchedulerOutput(num_scheduled_tokens={"free": 1, "r": 1 + len(drafts)},
+                              sampling_request_ids={"free", "r"}, scheduled_spec_tokens={"r": list(drafts)})
+        rows = torch.frombuffer(bytearray(structured.bitmask(out, reqs)), dtype=torch.int32).view(-1, words)
+        assert rows.shape[0] == 2 + len(drafts)
+        assert (rows[0] == -1).all()  # the free request
+        for i in range(1 + len(drafts)):
+            want = expected(drafts[:i]) if i <= valid else [-1] * words
+            assert rows[1 + i].tolist() == want, i
+        after = xgr.allocate_token_bitmask(1, structured.vocab_size)
+        matcher.fill_next_token_bitmask(after, 0)
+        assert after[0].tolist() == expected([])  # rolled back
+
+
+def test_drafts_are_verified_under_the_grammar():
+    """n-gram drafts for constrained requests: greedy tokens equal decoding without drafts (float32), some
+    drafts are accepted, and sampled answers still validate."""
+    schema = SCHEMAS["array-enum-range"]
+    example = '{"tags": ["red", "green"], "score": 7, "ok": true}'
+    msgs = [{"role": "user", "content": f"Copy this JSON exactly: {example}"}]
+    greedy = SamplingParams(temperature=0, max_tokens=60, structured_outputs=S(json=schema))
+    plain = LLM("default", dtype="float32", max_model_len=512)
+    want = plain.chat([msgs], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    plain.shutdown()
+    llm = LLM("default", dtype="float32", max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    got = llm.chat([msgs], greedy, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want
+    jsonschema.validate(json.loads(got.text), schema)
+    stats = llm.engine.core.spec_stats
+    assert stats.num_accepted_tokens > 0, stats
+    sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=80, structured_outputs=S(json=schema))
+    for c in llm.chat([msgs], sampled, use_tqdm=False)[0].outputs:
+        jsonschema.validate(json.loads(c.text), schema)
+    llm.shutdown()
