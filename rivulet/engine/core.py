@@ -154,6 +154,10 @@ class EngineCore:
         if use_async is None:
             use_async = current_platform().computes_apart_from_host
         self.async_scheduling = use_async
+        # synchronous steps fill the grammar bitmask in the step thread during the forward pass where the
+        # device computes apart from the host; on CPU the forward's thread team has every core, and a
+        # fill beside it measured slower than one before it (benchmarks/RESULTS.md, structured output)
+        self.overlap_grammar = current_platform().computes_apart_from_host
         # runs a step while this thread schedules the next one (async) or fills the step's grammar bitmask
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-step")
         self._in_flight: _Launched | None = None
@@ -288,9 +292,15 @@ class EngineCore:
         if self.async_scheduling:
             mask: Future[bytes | None] | None = Future() if follows else None
             return _Launched(sched, self._pool.submit(self.executor.execute, sched, mask and mask.result), mask)
-        mask = self._pool.submit(self.structured.bitmask, sched, self.scheduler.requests) if follows else None
+        if not follows:
+            source = None
+        elif self.overlap_grammar:
+            source = self._pool.submit(self.structured.bitmask, sched, self.scheduler.requests).result
+        else:
+            data = self.structured.bitmask(sched, self.scheduler.requests)
+            source = lambda: data  # noqa: E731
         done: Future[ModelRunnerOutput] = Future()
-        done.set_result(self.executor.execute(sched, mask and mask.result))
+        done.set_result(self.executor.execute(sched, source))
         return _Launched(sched, done)
 
     def _fill_bitmask(self, step: _Launched) -> None:
