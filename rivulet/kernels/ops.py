@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from rivulet.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
+from rivulet.kernels.kv_copy import copy_blocks_ref
 from rivulet.kernels.lora import add_lora_ref
 from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -59,6 +60,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
     "add_lora": {"torch": add_lora_ref, "cpu": f"{_CPU}:add_lora",
                  "triton": f"{_TRITON}.lora:add_lora"},
+    "copy_blocks": {"torch": copy_blocks_ref, "cpu": f"{_CPU}:copy_blocks"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from rivulet.core.kv_tier import KVLoadItem, KVSaveItem, block_file
+from rivulet.kernels.ops import get_op
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +59,15 @@ class KVTierWorker:
         self._loads: dict[str, Future[int]] = {}
         self._dropped: list[str] = []  # keys whose file is gone, bad or unwritten (guarded by _lock)
         self._pending_bytes = 0
+        self._copy_blocks = get_op("copy_blocks")  # every layer's blocks in one call
 
     # ---- saves (after the forward of the step that computed the blocks) ----
 
     def save(self, items: list[KVSaveItem]) -> None:
         host = [(b, s) for b, s, _, _ in items if s >= 0]
         if host:
-            blocks = torch.tensor([b for b, _ in host], device=self.kv_caches[0].device)
-            slots = torch.tensor([s for _, s in host])
-            for c, h in zip(self.kv_caches, self.host):
-                h[:, slots] = c[:, blocks].to("cpu", non_blocking=False)
+            self._copy_blocks(self.kv_caches, self.host, torch.tensor([b for b, _ in host]),
+                              torch.tensor([s for _, s in host]))
         files = [(b, name, toks) for b, _, name, toks in items if name]
         if not files:
             return
@@ -75,8 +75,9 @@ class KVTierWorker:
             with self._lock:
                 self._dropped.extend(name for _, name, _ in files)
             return
-        blocks = torch.tensor([b for b, _, _ in files], device=self.kv_caches[0].device)
-        copies = [c[:, blocks].to("cpu") for c in self.kv_caches]  # [2, n, bs, h, d] each, taken now
+        copies = [torch.empty((c.shape[0], len(files), *c.shape[2:]), dtype=c.dtype) for c in self.kv_caches]
+        self._copy_blocks(self.kv_caches, copies, torch.tensor([b for b, _, _ in files]),
+                          torch.arange(len(files)))  # [2, n, bs, h, d] each, taken now
         size = len(files) * sum(self.layer_bytes)
         with self._lock:
             self._pending_bytes += size
@@ -163,11 +164,8 @@ class KVTierWorker:
         """Host slots into device blocks, (block, slot) each; empties ``pairs``."""
         if not pairs:
             return
-        device = self.kv_caches[0].device
-        blocks = torch.tensor([b for b, _ in pairs], device=device)
-        slots = torch.tensor([s for _, s in pairs])
-        for c, h in zip(self.kv_caches, self.host):
-            c[:, blocks] = h[:, slots].to(device)
+        self._copy_blocks(self.host, self.kv_caches, torch.tensor([s for _, s in pairs]),
+                          torch.tensor([b for b, _ in pairs]))
         pairs.clear()
 
     def _read(self, name: str, tokens: list[int]) -> list[torch.Tensor] | None:

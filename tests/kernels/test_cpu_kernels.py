@@ -255,3 +255,26 @@ def test_int4_linear_matches_reference(dtype: torch.dtype, m: int, n: int, k: in
     exact = x.float() @ w.t()
     assert ((ext.int4_linear(x, packed, scale, minv, None).float() - exact).abs().max() / exact.abs().max()) < 0.15
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("halves", [2, 1])  # keys and values; a latent cache (MLA)
+def test_copy_blocks_equals_the_reference(dtype: torch.dtype, halves: int) -> None:
+    """Every layer's blocks from a cache into a host buffer's slots and back, bit for bit as the
+    reference's gather and scatter; nothing else of either is written."""
+    from rivulet.kernels.cpu.ops import copy_blocks
+    from rivulet.kernels.kv_copy import copy_blocks_ref
+
+    shapes = [(halves, 40, 4, 3, 8), (halves, 40, 4, 1, 24)]  # layers may differ in heads and head size
+    caches = [randn(*s, dtype=dtype, seed=i) for i, s in enumerate(shapes)]
+    host = [randn(s[0], 17, *s[2:], dtype=dtype, seed=10 + i) for i, s in enumerate(shapes)]
+    blocks, slots = torch.tensor([39, 0, 7, 12, 3]), torch.tensor([16, 2, 0, 9, 5])
+    for src, dst, a, b in [(caches, host, blocks, slots), (host, caches, slots, blocks)]:
+        want = [t.clone() for t in dst]
+        copy_blocks_ref(src, want, a, b)
+        copy_blocks(src, dst, a, b)
+        assert all(torch.equal(x, y) for x, y in zip(dst, want))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.copy_blocks(caches, host, torch.tensor([40]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="same block shape"):
+        ext.copy_blocks(caches[:1], host[1:], blocks, slots)

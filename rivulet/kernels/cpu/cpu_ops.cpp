@@ -905,7 +905,59 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask) {
   });
 }
 
+
+// KV blocks between caches of the same block shape (the KV tier: a layer's device cache and its host
+// buffer, each [halves, blocks, ...] with contiguous blocks): dst[l][h, dst_idx[i]] = src[l][h, src_idx[i]]
+// for every layer l, half h and pair i, one memcpy each, all of them spread over the threads.
+void copy_blocks(std::vector<torch::Tensor> src, std::vector<torch::Tensor> dst, torch::Tensor src_idx,
+                 torch::Tensor dst_idx) {
+  TORCH_CHECK(src.size() == dst.size(), "copy_blocks: as many source as destination layers");
+  TORCH_CHECK(src_idx.dim() == 1 && dst_idx.dim() == 1 && src_idx.numel() == dst_idx.numel(),
+              "copy_blocks: index vectors of one length");
+  auto si = src_idx.to(torch::kLong).contiguous(), di = dst_idx.to(torch::kLong).contiguous();
+  const int64_t n = si.numel(), L = static_cast<int64_t>(src.size());
+  if (n == 0 || L == 0) return;
+  const int64_t* sp = si.data_ptr<int64_t>();
+  const int64_t* dp = di.data_ptr<int64_t>();
+  std::vector<char*> s_base(L), d_base(L);
+  std::vector<int64_t> halves(L), bytes(L), s_half(L), d_half(L), s_block(L), d_block(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& s = src[l];
+    const auto& d = dst[l];
+    TORCH_CHECK(s.device().is_cpu() && d.device().is_cpu(), "copy_blocks: CPU tensors");
+    TORCH_CHECK(s.scalar_type() == d.scalar_type() && s.dim() >= 2 && d.dim() == s.dim() &&
+                s.size(0) == d.size(0), "copy_blocks: layer ", l, ": same dtype, halves and block shape");
+    for (int64_t k = 2; k < s.dim(); ++k)
+      TORCH_CHECK(s.size(k) == d.size(k), "copy_blocks: layer ", l, ": same block shape");
+    const int64_t elems = s.numel() / std::max<int64_t>(1, s.size(0) * s.size(1));
+    TORCH_CHECK(s[0][0].is_contiguous() && d[0][0].is_contiguous() && s.stride(1) == elems && d.stride(1) == elems,
+                "copy_blocks: layer ", l, ": blocks must be contiguous");
+    const int64_t isz = s.element_size();
+    s_base[l] = static_cast<char*>(s.data_ptr());
+    d_base[l] = static_cast<char*>(d.data_ptr());
+    halves[l] = s.size(0);
+    bytes[l] = elems * isz;
+    s_half[l] = s.stride(0) * isz;
+    d_half[l] = d.stride(0) * isz;
+    s_block[l] = s.stride(1) * isz;
+    d_block[l] = d.stride(1) * isz;
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < s.size(1) && dp[i] >= 0 && dp[i] < d.size(1),
+                  "copy_blocks: block index out of range");
+  }
+  const int64_t H = *std::max_element(halves.begin(), halves.end());
+  at::parallel_for(0, L * H * n, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t % n, lh = t / n, l = lh / H, h = lh % H;
+      if (h >= halves[l]) continue;
+      std::memcpy(d_base[l] + h * d_half[l] + dp[i] * d_block[l], s_base[l] + h * s_half[l] + sp[i] * s_block[l],
+                  bytes[l]);
+    }
+  });
+}
+
 void register_cpu_ops(py::module& m) {
+  m.def("copy_blocks", &copy_blocks);
   m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);

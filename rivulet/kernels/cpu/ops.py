@@ -11,6 +11,7 @@ from rivulet.kernels.activation import silu_and_mul_ref
 from rivulet.kernels.attention import write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.kernels.kv_copy import copy_blocks_ref
 from rivulet.kernels.lora import LoRAPlan, add_lora_batched
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
@@ -173,6 +174,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
         return apply_token_bitmask_ref(logits, bitmask)
     _ext.apply_token_bitmask(logits, bitmask.to(torch.int32))
     return logits
+
+
+def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_blocks: torch.Tensor,
+                dst_blocks: torch.Tensor) -> None:
+    """`copy_blocks_ref`, in C++ when every tensor is on the CPU with contiguous blocks."""
+    if _ext is None or not all(t.device.type == "cpu" for t in (*src, *dst)):
+        return copy_blocks_ref(src, dst, src_blocks, dst_blocks)
+    _ext.copy_blocks(src, dst, src_blocks.cpu(), dst_blocks.cpu())
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: LoRAPlan,
