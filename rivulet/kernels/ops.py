@@ -60,7 +60,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
     "add_lora": {"torch": add_lora_ref, "cpu": f"{_CPU}:add_lora",
                  "triton": f"{_TRITON}.lora:add_lora"},
-    "copy_blocks": {"torch": copy_blocks_ref, "cpu": f"{_CPU}:copy_blocks"},
+    "copy_blocks": {"torch": copy_blocks_ref, "cpu": f"{_CPU}:copy_blocks", "triton": f"{_TRITON}.kv_copy:copy_blocks"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

@@ -63,7 +63,8 @@ def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
     """Every op in the variants the model and the benchmarks use."""
     from rivulet.kernels.quant import quantize_fp8_weight
     from rivulet.kernels.lora import LoRAPlan
-    from rivulet.kernels.triton import activation, attention, bitmask, fp8_linear, kv_cache, lora, moe, norm, rotary
+    from rivulet.kernels.triton import (activation, attention, bitmask, fp8_linear, kv_cache, kv_copy, lora, moe,
+                                        norm, rotary)
     from rivulet.worker.batch import SeqChunk, build_flat_batch
 
     cpu = torch.device("cpu")
@@ -85,6 +86,7 @@ def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
                                 torch.randn(3, 8, 128, dtype=dt), cs, interleaved)
         kv_cache.write_kv_cache(torch.randn(3, 8, 128, dtype=dt), torch.randn(3, 8, 128, dtype=dt), cache,
                                 torch.tensor([1, 5, -1]))
+        kv_copy.copy_blocks([cache, cache], [cache[:, :8], cache[:, 8:16]], torch.tensor([3, 9]), torch.tensor([0, 7]))
         specs = {"decode_few": [(20, 1), (7, 1)], "decode_many": [(20, 1)] * 16, "mixed": [(0, 70), (5, 1), (30, 9)]}
         for name, spec in specs.items():
             meta = build_flat_batch([SeqChunk([0] * n, c, [0, 1, 2, 3, 4, 5]) for c, n in spec], 16, cpu).meta
