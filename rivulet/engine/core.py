@@ -70,9 +70,6 @@ def check_kv_tier(config: EngineConfig) -> None:
     if not config.cache.enable_prefix_caching:
         raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) keeps prefix-cache blocks: "
                            "it needs prefix caching (drop --no-enable-prefix-caching)")
-    if config.parallel.world_size > 1:
-        raise RivuletError("the KV tier (--kv-offload-memory, --kv-tier-path) runs with one rank for now; "
-                           "drop it or the tensor/pipeline parallelism")
 
 
 def check_task(config: EngineConfig, arch: ArchConfig) -> None:
@@ -182,7 +179,11 @@ class EngineCore:
         host_slots = (cc.kv_offload_memory or 0) // block_bytes
         disk_dir, disk_blocks = None, 0
         if cc.kv_tier_path is not None:
-            disk_dir = Path(cc.kv_tier_path).expanduser() / f"{namespace.hex()[:16]}-b{cc.block_size}"
+            # with several ranks each keeps the files of its own shard: this folder is rank 0's (the index),
+            # rank r's is beside it with ".rank<r>" (`Worker.tier_folder`)
+            pc = config.parallel
+            layout = f"-tp{pc.tensor_parallel_size}-pp{pc.pipeline_parallel_size}" if pc.world_size > 1 else ""
+            disk_dir = Path(cc.kv_tier_path).expanduser() / f"{namespace.hex()[:16]}-b{cc.block_size}{layout}"
             try:
                 disk_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:

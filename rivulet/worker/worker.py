@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rivulet.config import EngineConfig
+from rivulet.core.kv_tier import FILE_SUFFIX
 from rivulet.core.outputs import GrammarBitmask
 from rivulet.distributed import broadcast_bytes, get_comm_stats, init_distributed, reset_comm_stats
 from rivulet.models.loader import ModelSource, resolve_model
@@ -45,6 +47,8 @@ class Worker:
                                       pp_micro_batches=pc.pipeline_micro_batches)
         self.runner = ModelRunner(config.model, config.cache, source, config.speculative, config.lora)
         self.step_time_s, self.steps = 0.0, 0
+        self.world_size = world_size
+        self._tier_done: dict[str, int] = {}  # loads of the KV tier this rank has finished, until all have
 
     def run(self, command: WorkerCommand, grammar_bitmask: GrammarBitmask | None = None) -> Any:
         """Carry out one of rank 0's commands (every rank runs each one); `grammar_bitmask` is rank 0's
@@ -56,8 +60,37 @@ class Worker:
         if isinstance(command, SetEosTokenIds):
             return self.runner.set_eos_token_ids(set(command.ids))
         if isinstance(command, AllocateKVCache):
-            return self.runner.allocate_kv_cache(command.num_blocks, command.host_slots, command.disk_dir)
+            disk_dir = self.tier_folder(command.disk_dir) if command.disk_dir is not None else None
+            return self.runner.allocate_kv_cache(command.num_blocks, command.host_slots, disk_dir)
         raise TypeError(f"not a command a worker runs: {command!r}")
+
+    def tier_folder(self, disk_dir: str) -> str:
+        """This rank's folder of KV block files: rank 0's is the engine's (its index); rank r's, beside it,
+        holds the same blocks' shards, pruned at start to the blocks rank 0 still has."""
+        if self.rank == 0:
+            return disk_dir
+        mine = Path(f"{disk_dir}.rank{self.rank}")
+        mine.mkdir(parents=True, exist_ok=True)
+        index = {p.relative_to(disk_dir) for p in Path(disk_dir).glob(f"*/*{FILE_SUFFIX}")}
+        for p in mine.glob(f"*/*{FILE_SUFFIX}"):
+            if p.relative_to(mine) not in index:
+                p.unlink(missing_ok=True)
+        return str(mine)
+
+    def _agree_on_tier(self, result: ModelRunnerOutput) -> None:
+        """Every rank's KV tier report, combined the same way on every rank: a request's load is done once
+        every rank has finished it (with the blocks all of them loaded), a key any rank dropped is dropped,
+        and any rank's disk error is the error."""
+        self._tier_done.update(result.kv_loaded)
+        reports: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reports, (self._tier_done, result.kv_dropped, result.kv_disk_error))
+        done = [r[0] for r in reports]
+        ready = sorted(set(done[0]).intersection(*done[1:]))
+        result.kv_loaded = {rid: min(d[rid] for d in done) for rid in ready}
+        for rid in ready:
+            del self._tier_done[rid]
+        result.kv_dropped = sorted({key for r in reports for key in r[1]})
+        result.kv_disk_error = next((r[2] for r in reports if r[2] is not None), None)
 
     def _bitmask_from_rank0(self, source: GrammarBitmask | None) -> bytes | None:
         """Rank 0's bitmask on every rank (one byte stands for none: a mask is whole int32 words)."""
@@ -71,6 +104,8 @@ class Worker:
         start = time.perf_counter()
         mask = (lambda: self._bitmask_from_rank0(grammar_bitmask)) if out.grammar_follows else None
         result = self.runner.execute(out, mask)
+        if self.runner.kv_tier is not None and self.world_size > 1:
+            self._agree_on_tier(result)
         st = self.state
         if st.pp_size > 1 and not out.is_empty:
             last = st.world_size - st.tp_size  # rank 0 of the last stage's tensor-parallel group

@@ -13,7 +13,7 @@ import pytest
 
 from rivulet import LLM, SamplingParams
 from rivulet.core import Request
-from rivulet.core.kv_tier import FILE_SUFFIX
+from rivulet.core.kv_tier import FILE_SUFFIX, block_file
 from helpers.tiny import make_tiny_model
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -191,3 +191,32 @@ def test_the_default_model_loads_from_disk_the_tokens_it_computed(tmp_path: Path
     loaded, cached, stats = run()  # a new engine: its device pool is empty, the disk tier is not
     assert loaded == computed and cached >= 160 and cached % 16 == 0
     assert stats["loaded_disk"] == cached // 16 and stats["load_failures"] == 0
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_every_rank_keeps_its_shard_in_the_tier(tiny: Path, reference: dict, tmp_path: Path, parallel: dict) -> None:
+    """With two ranks each keeps its shard of a block in host memory and in its own folder; a load counts
+    once both ranks have it; a restart with the same layout finds both folders; a rank's missing file
+    makes the block computed, never used half-loaded."""
+    llm = make_llm(tiny, kv_offload_memory=8 << 20, kv_tier_path=str(tmp_path), **parallel)
+    assert ask(llm, DOC_A + [1]) == (reference[1], 0)
+    ask(llm, DOC_B)
+    assert ask(llm, DOC_A + [2]) == (reference[2], 80)  # from host memory, both ranks
+    assert tier_stats(llm)["loaded_host"] == 5
+    llm.shutdown()
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    layout = "-tp2-pp1" if "tensor_parallel_size" in parallel else "-tp1-pp2"
+    assert [f.removeprefix(folders[0]) for f in folders] == ["", ".rank1"] and folders[0].endswith(layout)
+    rank0, rank1 = (tmp_path / f for f in folders)
+    shards = [sorted(p.relative_to(root) for p in block_files(root)) for root in (rank0, rank1)]
+    assert shards[0] == shards[1] and len(shards[0]) >= 14
+    again = make_llm(tiny, kv_tier_path=str(tmp_path), **parallel)
+    assert ask(again, DOC_A + [2]) == (reference[2], 80)
+    assert tier_stats(again)["loaded_disk"] == 5
+    keys = again.engine.core.kv_cache_manager.block_keys(Request("keys", DOC_A, 1), 0, 5)
+    again.shutdown()
+    block_file(rank1, keys[2].hex()).unlink()  # rank 1 loses its shard of DOC_A's third block
+    third = make_llm(tiny, kv_tier_path=str(tmp_path), **parallel)
+    assert ask(third, DOC_A + [3]) == (reference[3], 32)  # 2 blocks loaded on both ranks, the rest computed
+    assert tier_stats(third)["loaded_disk"] == 2
+    third.shutdown()
