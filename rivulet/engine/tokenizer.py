@@ -57,12 +57,20 @@ def _load_tokenizer(src: ModelSource, tokenizer: str | None) -> PreTrainedTokeni
         cached = cache_dir() / "tokenizers" / _gguf_cache_key(src.gguf_path)
         if (cached / "tokenizer_config.json").is_file():
             return _load_saved(cached)
-        tok = _auto(str(src.path), gguf_file=src.gguf_file)
+        try:
+            tok = _auto(str(src.path), gguf_file=src.gguf_file)
+        except ValueError as e:
+            if "is not supported yet" not in str(e):
+                raise
+            raise RivuletError(f"cannot read the tokenizer in {src.gguf_file} ({e}); pass --tokenizer with the "
+                               f"model's Hugging Face tokenizer folder") from None
         try:
             tok.save_pretrained(str(cached))
         except OSError as e:  # a read-only home is fine: convert again next time
             logger.warning("could not cache the tokenizer in %s: %s", cached, e)
         return tok
+    except RivuletError:
+        raise
     except (OSError, ValueError) as e:
         raise RivuletError(f"cannot load a tokenizer for {tokenizer or src.path}: {e}") from None
 

@@ -40,6 +40,7 @@ _ARCHS = {
     "phi3": ("Phi3ForCausalLM", None),
     "gemma2": ("Gemma2ForCausalLM", None),
     "gemma3": ("Gemma3ForCausalLM", None),
+    "deepseek2": ("DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM"),  # V3 by its sigmoid gating (below)
 }
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -68,6 +69,13 @@ _ARCH_BLOCK_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # DeepSeek's MLA projections, shared experts and the V3 router's correction bias; kv_b_proj comes whole
+    # (attn_kv_b, older files) or as attn_k_b + attn_v_b, put back together in `weights`
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                  "ffn_down_shexp": "mlp.shared_experts.down_proj"},
 }
 _ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE, read into the config
@@ -142,7 +150,46 @@ class GGUFCheckpoint:
             cfg.update(num_experts=experts, num_experts_per_tok=self.arch_field("expert_used_count"),
                        moe_intermediate_size=self.arch_field("expert_feed_forward_length", cfg["intermediate_size"]),
                        norm_topk_prob=True)
+        if self.arch == "deepseek2":  # head_dim and a partial rotary factor mean other things there
+            cfg.update(self._deepseek_config(cfg))
+            cfg.pop("head_dim")
+            cfg.pop("partial_rotary_factor", None)
         return cfg
+
+    def _deepseek_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's deepseek2 keys as DeepSeek's config: MLA sizes (files written for MLA carry
+        key/value_length_mla, key_length being the cached latent + rope width; older ones the per-head
+        sizes), the routing (gating 2 = sigmoid with the correction bias: V3), YaRN's mscale (stored x 0.1)."""
+        rope = self.arch_field("rope.dimension_count")
+        mla_k, mla_v = self.arch_field("attention.key_length_mla"), self.arch_field("attention.value_length_mla")
+        key = mla_k or self.arch_field("attention.key_length")
+        v3 = self.arch_field("expert_gating_func") == 2
+        groups = self.arch_field("expert_group_count", 1) or 1
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+            "num_key_value_heads": cfg["num_attention_heads"],
+            "kv_lora_rank": self.arch_field("attention.kv_lora_rank"),
+            "q_lora_rank": self.arch_field("attention.q_lora_rank"),
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,
+            "v_head_dim": mla_v or self.arch_field("attention.value_length"),
+            "rope_interleave": True,  # llama.cpp rotates pairs of neighbours here: the checkpoint's order
+            "first_k_dense_replace": self.arch_field("leading_dense_block_count", 0),
+            "n_shared_experts": self.arch_field("expert_shared_count", 0),
+            "routed_scaling_factor": self.arch_field("expert_weights_scale") or 1.0,
+            "norm_topk_prob": bool(self.arch_field("expert_weights_norm", False)),
+            "n_group": groups, "topk_group": self.arch_field("expert_group_used_count", 1) or 1,
+            "scoring_func": "sigmoid" if v3 else "softmax",
+            "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if groups > 1 else "greedy"),
+        }
+        if cfg.get("rope_scaling", {}).get("rope_type") == "yarn":
+            mscale = (self.arch_field("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+            out["rope_scaling"] = {
+                "rope_type": "yarn", "factor": cfg["rope_scaling"]["factor"],
+                "original_max_position_embeddings": self.arch_field("rope.scaling.original_context_length"),
+                "beta_fast": self.arch_field("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": self.arch_field("rope.scaling.yarn_beta_slow", 1.0),
+                "mscale": mscale, "mscale_all_dim": mscale}
+        return out
 
     def _gemma_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """What llama.cpp's Gemma files leave implicit: norms stored with their 1 added, the query scale
@@ -182,6 +229,7 @@ class GGUFCheckpoint:
         """(Hugging Face name, dequantized tensor) pairs."""
         cfg = self.hf_config
         block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(self.arch, {})}
+        k_b: dict[str, torch.Tensor] = {}  # DeepSeek's attn_k_b of a layer, until its attn_v_b
         for t in self.reader.tensors:
             if t.name in _ROPE_FACTORS:
                 continue
@@ -197,6 +245,18 @@ class GGUFCheckpoint:
                 if kind in _EXPERT_NAMES:
                     for e in range(w.shape[0]):
                         yield f"{prefix}.mlp.experts.{e}.{_EXPERT_NAMES[kind]}.weight", w[e].to(dtype)
+                    continue
+                if kind == "exp_probs_b":  # DeepSeek-V3's router correction bias
+                    yield f"{prefix}.mlp.gate.e_score_correction_bias", w.to(dtype)
+                    continue
+                if kind in ("attn_k_b", "attn_v_b"):  # kv_b_proj split per head: k_b [H, r, dn], v_b [H, dv, r]
+                    other = k_b.pop(layer, None)
+                    if other is None:
+                        k_b[layer] = w
+                        continue
+                    kb, vb = (w, other) if kind == "attn_k_b" else (other, w)
+                    kv = torch.cat([kb.transpose(1, 2), vb], dim=1)  # [H, dn + dv, r], k rows first per head
+                    yield f"{prefix}.self_attn.kv_b_proj.weight", kv.reshape(-1, kv.shape[-1]).to(dtype)
                     continue
                 if kind not in block_names:
                     raise RivuletError(f"unexpected GGUF tensor {t.name!r}")
