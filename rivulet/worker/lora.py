@@ -22,7 +22,8 @@ from rivulet.layers.lora import LoRASlots, LoRAStep
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader.peft import adapter_weights, read_adapter
 
-_ADAPTED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# what adapters act on: fused projections as the models build them, and DeepSeek's MLA input projections
+_ADAPTED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 

@@ -115,6 +115,10 @@ def test_bad_adapters_are_clear_errors(llama_adapters, tmp_path):
         (dora / "adapter_model.safetensors").write_bytes((root / "attn" / "adapter_model.safetensors").read_bytes())
         with pytest.raises(RivuletError, match="unsupported settings use_dora"):
             llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("dora", 6, str(dora)))
+        (dora / "adapter_config.json").write_text(json.dumps(cfg | {"use_dora": False,
+                                                                    "rank_pattern": {"v_proj": 2, "gate_up_proj": 2}}))
+        with pytest.raises(RivuletError, match=r"unsupported settings rank_pattern \(v_proj\)$"):
+            llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("ranks", 7, str(dora)))
         assert not llm.engine.has_unfinished_requests()  # nothing half-registered
     finally:
         llm.shutdown()
@@ -164,3 +168,27 @@ def test_lora_ops_equal_the_reference(fn, dtype):
     torch.testing.assert_close(want.float(), y.float() + (x.float() @ a[1].float().t()) @ b[1].float(), **tol)
     torch.testing.assert_close(fn(y.clone(), x, a, b, whole, 6).float(), want.float(), **tol)
 
+
+
+@pytest.mark.parametrize("kind,targets", [
+    ("deepseek-v2", ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
+    ("deepseek-v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
+])
+def test_deepseek_adapter_on_mla_projections(kind, targets, tmp_path):
+    """DeepSeek adapters on MLA's input projections (the latent's and the query's, with or without the
+    query bottleneck) and o_proj, mixed with the base in one batch; kv_b_proj, which the absorbed attention
+    reads per head, is a clear error. (MLP targets would make PEFT adapt transformers' fused experts too,
+    which Rivulet does not.)"""
+    _write_adapter(tmp_path / "base", kind, "mla", tmp_path, 5, r=4, lora_alpha=8, target_modules=targets)
+    _write_adapter(tmp_path / "base", kind, "kvb", tmp_path, 6, r=4, lora_alpha=8, target_modules=["kv_b_proj"])
+    prompt = list(range(30, 55))
+    llm = LLM(str(tmp_path / "base"), dtype="float32", enable_lora=True)
+    try:
+        got = _tokens(llm, [prompt, prompt], [LoRARequest("mla", 1, str(tmp_path / "mla")), None])
+        with pytest.raises(RivuletError, match="kv_b_proj is applied per head in the absorbed attention"):
+            llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("kvb", 2, str(tmp_path / "kvb")))
+    finally:
+        llm.shutdown()
+    want = [_peft_tokens(tmp_path / "base", tmp_path / "mla", prompt), _peft_tokens(tmp_path / "base", None, prompt)]
+    assert got == want and want[0] != want[1]

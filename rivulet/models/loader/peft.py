@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -14,7 +15,11 @@ from typing import Iterator
 from rivulet.config import RivuletError
 
 # the projections an adapter may adapt: attention and MLP (the fused Phi-3 ones too)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # the last three: DeepSeek's MLA projections
+# read per head in MLA's absorbed form, never as one linear: an adapter there cannot be added to its output
+_NOT_ADAPTABLE = {"kv_b_proj": "DeepSeek's kv_b_proj is applied per head in the absorbed attention (adapt "
+                               "kv_a_proj_with_mqa, q_a_proj / q_b_proj / q_proj and o_proj instead)"}
 _PREFIX = "base_model.model."
 
 
@@ -41,7 +46,7 @@ def read_adapter(path: str | Path, max_rank: int | None = None) -> AdapterInfo:
         raise RivuletError(f"LoRA adapter {path}: adapter_config.json is not readable JSON ({e})") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise RivuletError(f"LoRA adapter {path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    unsupported = [k for k in ("use_dora", "modules_to_save", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+    unsupported = [k for k in ("use_dora", "modules_to_save", "fan_in_fan_out",
                                "lora_bias", "layer_replication", "trainable_token_indices", "use_qalora")
                    if cfg.get(k)]
     if cfg.get("bias", "none") != "none":
@@ -69,7 +74,10 @@ def read_adapter(path: str | Path, max_rank: int | None = None) -> AdapterInfo:
         else:
             raise RivuletError(f"LoRA adapter {path}: unexpected tensor {key!r} (only lora_A/lora_B weights)")
     for module, parts in modules.items():
-        if module.rsplit(".", 1)[-1] not in TARGETS:
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf in _NOT_ADAPTABLE:
+            raise RivuletError(f"LoRA adapter {path}: target {module!r} is not supported: {_NOT_ADAPTABLE[leaf]}")
+        if leaf not in TARGETS:
             raise RivuletError(f"LoRA adapter {path}: target {module!r} is not supported "
                                f"(supported: {', '.join(TARGETS)})")
         a, b = parts.get("lora_A"), parts.get("lora_B")
@@ -77,6 +85,12 @@ def read_adapter(path: str | Path, max_rank: int | None = None) -> AdapterInfo:
             raise RivuletError(f"LoRA adapter {path}: {module} needs lora_A [r, in] and lora_B [out, r] of rank {r}")
     if not modules:
         raise RivuletError(f"LoRA adapter {path} has no LoRA weights")
+    # per-module ranks or alphas are not supported; patterns that match none of the adapter's modules (PEFT
+    # writes some for the fused expert parameters of transformers' MoE models) change nothing
+    for key in ("rank_pattern", "alpha_pattern"):
+        hit = [p for p in cfg.get(key) or {} if any(re.fullmatch(rf"(.*\.)?{p}", m) for m in modules)]
+        if hit:
+            raise RivuletError(f"LoRA adapter {path}: unsupported settings {key} ({', '.join(hit)})")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return AdapterInfo(folder, r, float(scaling), tuple(sorted(modules)))
 
