@@ -74,3 +74,60 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | 
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
     return model.eval()
+
+
+# Qwen3's chat format as its template writes it: tools in the system turn, <tool_call> blocks, tool results as
+# <tool_response> in a user turn, and an empty think block when thinking is off
+QWEN3_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+QWEN3_MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # one token each, not special (as Qwen's)
+
+
+def make_tiny_qwen3_chat(path: Path) -> transformers.PreTrainedModel:
+    """A random-weight Qwen3 folder that serves chat: the default model's BPE tokenizer plus Qwen3's markers
+    as single tokens, Qwen3's chat template, <|im_end|> as end of sequence."""
+    from rivulet.engine.tokenizer import load_tokenizer
+    from rivulet.models.loader import resolve_model
+
+    tok = load_tokenizer(resolve_model("default"))
+    tok.add_tokens(QWEN3_MARKERS, special_tokens=False)
+    tok.chat_template = QWEN3_TEMPLATE
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = make_tiny_model("qwen3", path, vocab_size=len(tok), eos_token_id=end, max_position_embeddings=1024)
+    tok.save_pretrained(str(path))
+    return model
