@@ -76,23 +76,16 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | 
     return model.eval()
 
 
-# Qwen3's chat format as its template writes it: tools in the system turn, <tool_call> blocks, tool results as
-# <tool_response> in a user turn, and an empty think block when thinking is off
+# Qwen3's chat format, shortened: tools in the system turn, <tool_call> blocks, tool results as <tool_response>
+# in a user turn, and an empty think block when thinking is off
 QWEN3_TEMPLATE = """{%- if tools %}<|im_start|>system
-# Tools
-
-You may call one or more functions to assist with the user query.
-
+You can call these functions:
 <tools>
 {%- for tool in tools %}
 {{ tool | tojson }}
 {%- endfor %}
 </tools>
-
-For each function call, return a json object within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
+To call one, answer <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>
 {% endif %}
 {%- for message in messages %}
 {%- if message.role == "tool" %}<|im_start|>user

@@ -14,34 +14,10 @@ import jsonschema
 import openai
 import pytest
 
+from helpers.tiny import QWEN3_TEMPLATE
 from server_helpers import ServerProcess, assert_error_body
 
-TEMPLATE = """{%- if tools %}<|im_start|>system
-You can call these functions:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-To call one, answer <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% elif message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{%- for tc in message.tool_calls %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+TEMPLATE = QWEN3_TEMPLATE  # Qwen3's tool format, given to the default model by --chat-template
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
