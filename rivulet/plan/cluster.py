@@ -38,6 +38,7 @@ class Device:
     seq_overhead_ms: float = 0.0  # per sequence and step: scheduling, sampling, outputs
     gemm_call_us: float = 0.0  # per GEMM call beyond its bytes and FLOPs (thread sync, prefetch ramp)
     gemm_tflops: dict[int, float] | None = None  # measured: the FLOP rate a GEMM of that many rows reaches
+    stage_overhead_ms: float = 0.05  # per step and extra pipeline stage: the ranks' step messages, the hand-off
 
     def flop_rate(self, rows: int, fp8: bool = False) -> float:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak

@@ -12,6 +12,7 @@ not peak, figures.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import Any, Callable
 
@@ -20,14 +21,15 @@ from rivulet.plan.cluster import Device, probe_path
 GEMM_ROWS = (1, 4, 16, 64, 256)  # rows of the timed GEMMs: decode batches to prefill chunks
 
 
-def _best(fn: Callable[[], object], repeat: int = 5) -> float:
+def _typical(fn: Callable[[], object], repeat: int = 5) -> float:
+    """The median time of `repeat` calls after a warm-up: the planner predicts typical steps, not the best."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def probe(write: bool = True) -> Device:
@@ -59,16 +61,16 @@ def probe(write: bool = True) -> Device:
         return run
 
     with torch.inference_mode():
-        decode = _best(mm(torch.randn(1, k, dtype=dtype)), 20)
+        decode = _typical(mm(torch.randn(1, k, dtype=dtype)), 20)
         bandwidth = weight.numel() * weight.element_size() / decode / 1e9
-        call_s = max(0.0, (_best(stream(x_small), 5) - 48 * 2048 * 1024 * 2 / (bandwidth * 1e9)) / 48)
+        call_s = max(0.0, (_typical(stream(x_small), 5) - 48 * 2048 * 1024 * 2 / (bandwidth * 1e9)) / 48)
         # the FLOP rate by rows, the calls' fixed cost taken out (the planner adds it per call)
-        curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _best(stream(torch.randn(rows, 1024, dtype=dtype)), 3)
+        curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _typical(stream(torch.randn(rows, 1024, dtype=dtype)), 3)
                                                                 - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
     step, layer, seq = _step_overhead_ms()
     memory = current_platform().free_memory_bytes() / 1e9
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
-                 round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve)
+                 round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3))
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,11 +94,33 @@ def _step_overhead_ms() -> tuple[float, float, float]:
             llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, max_num_seqs=seqs)
             params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
             _timed(llm, params, seqs)
-            per_step[layers, seqs] = min(_timed(llm, params, seqs) for _ in range(3)) / 33 * 1e3
+            per_step[layers, seqs] = statistics.median(_timed(llm, params, seqs) for _ in range(3)) / 33 * 1e3
             llm.shutdown()
     layer = max(0.0, (per_step[9, 1] - per_step[1, 1]) / 8)
     seq = max(0.0, (per_step[1, 32] - per_step[1, 1]) / 31)
     return max(0.0, per_step[1, 1] - layer - seq), layer, seq
+
+
+def _stage_overhead_ms() -> float:
+    """ms per step that a second pipeline stage adds beyond its arithmetic: the same 2-layer model of
+    64 wide decoding one sequence with two stages (a worker process each) against one; the step's
+    command and result messages between the ranks, the hand-off of the hidden states, the other rank's
+    host work that the step waits for."""
+    import tempfile
+
+    from rivulet.engine.llm import LLM
+    from rivulet.sampling_params import SamplingParams
+
+    per_step = {}
+    with tempfile.TemporaryDirectory() as d:
+        _tiny_checkpoint(d, 2)
+        for pp in (1, 2):
+            llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, pipeline_parallel_size=pp)
+            params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+            _timed(llm, params, 1)
+            per_step[pp] = statistics.median(_timed(llm, params, 1) for _ in range(3)) / 33 * 1e3
+            llm.shutdown()
+    return max(0.0, per_step[2] - per_step[1])
 
 
 def _timed(llm: Any, params: Any, seqs: int) -> float:
