@@ -5,6 +5,7 @@ pipeline bubble, every returned layout valid, and the command's output and error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -70,6 +71,12 @@ def test_pipeline_bubble_and_step_parts():
     assert one["bubble"] == pytest.approx(1 / 2) and two["bubble"] == pytest.approx(1 / 3)
     single = Predictor(arch, CLUSTER).step_time(Layout(), 8, 8, 100)
     assert single["bubble"] == 0 and single["comm"] == 0
+    # each stage beyond the first adds the device's per-stage step overhead, once per step
+    slow = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, stage_overhead_ms=2.0))
+    for pp in (1, 2, 4):
+        diff = Predictor(arch, slow).step_time(Layout(pp=pp), 8, 8, 100)["time"] - \
+            Predictor(arch, CLUSTER).step_time(Layout(pp=pp), 8, 8, 100)["time"]
+        assert diff == pytest.approx((pp - 1) * (2.0 - CLUSTER.device.stage_overhead_ms) * 1e-3)
     # memory-bound decode: the weights and KV read at 100 GB/s
     s = ModelCost(arch, Layout()).step(0, 8, 8, 100, 2)
     assert single["memory"] == pytest.approx((s["weight_bytes"] + s["kv_bytes"]) / 100e9)
@@ -141,4 +148,5 @@ def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
 
     dev = probe()
     assert dev.mem_bw_gbps > 0.5 and dev.bf16_tflops > 0.005 and 0 < dev.step_overhead_ms < 1000
+    assert 0 < dev.stage_overhead_ms < 1000  # two pipeline stages cost something per step beyond one
     assert Cluster.load(str(tmp_path / "c.yaml")).device == dev
