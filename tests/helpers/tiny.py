@@ -77,7 +77,8 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, max_shard_size: str | 
 
 
 # Qwen3's chat format, shortened: tools in the system turn, <tool_call> blocks, tool results as <tool_response>
-# in a user turn, and an empty think block when thinking is off
+# in a user turn, an empty think block when thinking is off, and (enable_thinking true) the thinking opened
+# by the prompt, as Qwen3's thinking-only models do
 QWEN3_TEMPLATE = """{%- if tools %}<|im_start|>system
 You can call these functions:
 <tools>
@@ -107,6 +108,7 @@ To call one, answer <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|i
 
 </think>
 
+{% elif enable_thinking %}<think>
 {% endif %}{% endif %}"""
 QWEN3_MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # one token each, not special (as Qwen's)
 

@@ -83,6 +83,16 @@ def test_the_grammar_starts_after_the_one_token_end_of_thinking(client: openai.O
     chunks = list(client.chat.completions.create(**kw, stream=True))
     said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert said == msg.content
+    # a template that opens the thinking in the prompt (Qwen3's thinking-only models): the answer starts in it,
+    # so what precedes "</think>" is reasoning (empty here) and the JSON is the content, whole and streamed
+    opened = {**kw, "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    msg = client.chat.completions.create(**opened).choices[0].message
+    assert msg.reasoning_content == ""
+    jsonschema.validate(json.loads(msg.content), OK)
+    chunks = list(client.chat.completions.create(**opened, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == ""
     # offline, the same request as token ids: the grammar waits for the one token, then constrains
     from rivulet import LLM, SamplingParams
     from rivulet.sampling_params import StructuredOutputsParams

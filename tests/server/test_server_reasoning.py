@@ -34,6 +34,19 @@ def test_split_and_stream_agree(parser, text, want) -> None:
         assert (r, c) == (want[0] or "", want[1]), step
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_prompt_that_opened_the_thinking(parser) -> None:
+    """The template wrote "<think>" (Qwen3's thinking-only models): the answer starts in the thinking."""
+    text = "The user wants a capital.\n</think>\n\nParis"
+    assert split_reasoning(parser, "<think>" + text) == ("The user wants a capital.\n", "Paris")
+    for step in (1, 3):
+        s, r, c = ReasoningStream(parser, opened=True), "", ""
+        for i in range(0, len(text), step):
+            dr, dc = s.feed(text[i:i + step], final=i + step >= len(text))
+            r, c = r + dr, c + dc
+        assert (r, c) == ("The user wants a capital.\n", "Paris"), step
+
+
 @pytest.fixture(scope="module")
 def rc() -> Iterator[openai.OpenAI]:
     proc = ServerProcess("--max-model-len", "512", "--reasoning-parser", "qwen3")

@@ -6,6 +6,9 @@ apart from its answer, as `message.reasoning_content` (and vLLM's newer `reasoni
     qwen3        thinking only when the answer starts with "<think>" (thinking can be switched off),
                  up to "</think>"
 
+Either way, when the chat template itself ends the prompt in "<think>" (Qwen3's thinking-only models),
+the answer starts inside the thinking (the server passes `opened`).
+
 Structured output and tool calls apply to what follows the thinking: the server gives the grammar
 the tokens of "</think>" to wait for (`StructuredOutputsParams.after_token_ids`).
 """
@@ -41,9 +44,9 @@ def split_reasoning(parser: str, text: str, final: bool = True) -> tuple[str | N
 class ReasoningStream:
     """A streamed answer split as it comes: `feed(new, final)` -> (reasoning delta, content delta)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, opened: bool = False) -> None:
         self.parser = parser
-        self.text = ""
+        self.text = START if opened else ""  # the prompt opened the thinking
         self.sent_reasoning = self.sent_content = 0
 
     def feed(self, new: str, final: bool = False) -> tuple[str, str]:

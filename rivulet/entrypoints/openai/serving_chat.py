@@ -25,7 +25,7 @@ from rivulet.entrypoints.openai.aio import ClientDisconnected, until_disconnecte
 from rivulet.entrypoints.openai.serving_base import OFF_LOOP_CHARS, RequestGroup, ServerContext
 from rivulet.entrypoints.openai.streaming import (SSE_DONE, ChoiceState, EventStreamResponse, Usage, sse,
                                                  stream_error_event)
-from rivulet.entrypoints.openai.reasoning import END, ReasoningStream, reasoning_fields, split_reasoning
+from rivulet.entrypoints.openai.reasoning import END, START, ReasoningStream, reasoning_fields, split_reasoning
 from rivulet.entrypoints.openai.tools import ToolCall, ToolPlan, plan_tools, streamable_prefix
 
 # chat_template_kwargs a client may not override: they change what apply_chat_template returns
@@ -119,16 +119,19 @@ class ChatHandler:
                 end = list(ctx.engine.tokenizer(END, add_special_tokens=False).input_ids)  # the grammar follows it
                 params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                     params.structured_outputs, after_token_ids=end))
+            # a template that opens the thinking itself (Qwen3's thinking-only models end the prompt in "<think>"):
+            # the answer starts inside it
+            opened = settings.reasoning_parser is not None and text.rstrip().endswith(START)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             group.add({"prompt": text, "prompt_token_ids": ids, "cache_salt": body.cache_salt}, params, request_id,
                       body.priority)
             if body.stream:
                 firsts = await until_disconnected(raw.receive, group.prime(), group.deadline)
-                events = self._events(body, model, request_id, ids, group, firsts[0], plan)
+                events = self._events(body, model, request_id, ids, group, firsts[0], plan, opened)
                 handed_over = True
                 return EventStreamResponse(events, on_close=group.aclose, deadline=group.deadline)
             finals = await until_disconnected(raw.receive, group.collect(), group.deadline)
-            return JSONBody(self._response(body, model, request_id, finals[0], plan).model_dump())
+            return JSONBody(self._response(body, model, request_id, finals[0], plan, opened).model_dump())
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
@@ -139,14 +142,14 @@ class ChatHandler:
         return body.top_logprobs or 0
 
     def _response(self, body: ChatCompletionRequest, model: str, request_id: str,
-                  out: RequestOutput, plan: ToolPlan) -> ChatCompletionResponse:
+                  out: RequestOutput, plan: ToolPlan, opened: bool = False) -> ChatCompletionResponse:
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
         choices = []
         for c in out.outputs:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self._num_top(body), text_fn) \
                 if body.logprobs else None
             parser = self.ctx.settings.reasoning_parser
-            reasoning, text = split_reasoning(parser, c.text) if parser else (None, c.text)
+            reasoning, text = split_reasoning(parser, START * opened + c.text) if parser else (None, c.text)
             content, calls = plan.calls(text, self.ctx.settings.tool_call_parser)
             if reasoning is not None and not content:
                 content = None
@@ -160,12 +163,13 @@ class ChatHandler:
                                       prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids else None)
 
     async def _events(self, body: ChatCompletionRequest, model: str, request_id: str, prompt_ids: list[int],
-                      group: RequestGroup, first: RequestOutput, plan: ToolPlan) -> AsyncIterator[str]:
+                      group: RequestGroup, first: RequestOutput, plan: ToolPlan,
+                      opened: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         states = [ChoiceState() for _ in range(body.n)]
         tools = [_ToolStream(plan, self.ctx.settings.tool_call_parser) for _ in range(body.n)]
         parser = self.ctx.settings.reasoning_parser
-        thinking = [ReasoningStream(parser) for _ in range(body.n)] if parser else None
+        thinking = [ReasoningStream(parser, opened) for _ in range(body.n)] if parser else None
         text_fn = token_text_fn(self.ctx.engine.tokenizer)
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
