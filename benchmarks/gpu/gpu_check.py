@@ -6,7 +6,7 @@
 Sections run one after another, each in its own Python process (a CUDA error in one cannot take
 the others down) under its share of one global time budget: `ceilings` (copy bandwidth, bf16
 matmul), `kernels` (every Triton op vs its reference, timed), `model` (Llama-3-8B-shaped model
-on Rivulet and transformers), `pytest` (tests/kernels on the GPU, bf16 cases included; only when
+on Rivulet and transformers; structured output on it when xgrammar is installed), `pytest` (tests/kernels on the GPU, bf16 cases included; only when
 pytest is installed). Each section rewrites its JSON under $OUT/parts as it goes; the parent
 merges them into $OUT/gpu_check.json and $OUT/summary.md after every section (also when one
 fails or times out), and prints the summary at the end.
@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))
 
 SECTIONS = ("ceilings", "kernels", "model", "pytest")
-KERNEL_GROUPS = ("rms_norm", "silu_and_mul", "rotary", "write_kv", "attention", "moe", "fp8")
+KERNEL_GROUPS = ("rms_norm", "silu_and_mul", "rotary", "write_kv", "kv_copy", "attention", "moe", "fp8")
 # seconds: (least worth starting with, most it may take)
 LIMITS: dict[str, tuple[float, float]] = {"ceilings": (10, 45), "kernels": (30, 170), "model": (60, 400),
                                           "pytest": (30, 400)}
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-gib", type=float, default=64.0)
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count (quick runs)")
     ap.add_argument("--kernels", default="", help="comma list of kernel groups to check (default: all of "
-                    "rms_norm, silu_and_mul, rotary, write_kv, attention, moe, fp8)")
+                    "rms_norm, silu_and_mul, rotary, write_kv, kv_copy, attention, moe, fp8)")
     ap.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -132,9 +132,10 @@ def run_child(a: argparse.Namespace) -> int:
 
 
 def run_pytest(out: Any, deadline: Any) -> None:
-    # the kernels against their references, and the KV tier's copies on the device (tiny model, float32)
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py", "-k", "not default_model",
-           "-q", "-p", "no:cacheprovider"]
+    # the kernels against their references, and the KV tier's copies on the device (tiny model, float32; the
+    # tensor- and pipeline-parallel tier test wants two devices)
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py",
+           "-k", "not default_model and not every_rank", "-q", "-p", "no:cacheprovider"]
     try:
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(deadline.left() - 3, 5))
         out.set("returncode", p.returncode)

@@ -41,14 +41,17 @@ class Sizes:
     moe_tokens: int  # the MoE prefill case
     copy_mib: int  # ceilings
     matmul_n: int
+    layers: int  # the KV tier's block copies: caches of this many layers
+    copy_blocks: int  # blocks copied at once
 
 
 REAL = Sizes(tokens=4096, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, block_size=16,
              decode_seqs=64, decode_ctx=2048, long_ctx=8192, prefill_chunk=512, experts=8, top_k=2,
-             moe_hidden=4096, moe_inter=14336, moe_tokens=512, copy_mib=2048, matmul_n=8192)
+             moe_hidden=4096, moe_inter=14336, moe_tokens=512, copy_mib=2048, matmul_n=8192, layers=32,
+             copy_blocks=256)
 TINY = Sizes(tokens=6, hidden=64, heads=4, kv_heads=2, head_dim=32, inter=48, block_size=16,
              decode_seqs=3, decode_ctx=24, long_ctx=70, prefill_chunk=9, experts=4, top_k=2,
-             moe_hidden=64, moe_inter=32, moe_tokens=5, copy_mib=4, matmul_n=128)
+             moe_hidden=64, moe_inter=32, moe_tokens=5, copy_mib=4, matmul_n=128, layers=2, copy_blocks=5)
 
 
 # ---- ceilings ----
@@ -169,6 +172,38 @@ def case_write_kv(s: Sizes, dev: torch.device, dt: torch.dtype) -> list[Case]:
                  bytes=4 * k.numel() * k.element_size())]
 
 
+def case_kv_copy(s: Sizes, dev: torch.device, dt: torch.dtype) -> list[Case]:
+    """The KV tier's batched block copies: `copy_blocks` blocks of every layer's cache, to other blocks of the
+    same caches (one launch) and to pinned host slots (gathered on the device, one transfer), against the
+    reference's indexing per layer. Copies are exact (tolerance 0)."""
+    from rivulet.kernels.kv_copy import copy_blocks_ref
+    from rivulet.kernels.triton.kv_copy import copy_blocks
+
+    blocks = 4 * s.copy_blocks
+    caches = [_rand(2, blocks, s.block_size, s.kv_heads, s.head_dim, device=dev, dtype=dt) for _ in range(s.layers)]
+    pin = dev.type == "cuda"
+    host = [torch.zeros(2, 2 * s.copy_blocks, *caches[0].shape[2:], dtype=dt, pin_memory=pin)
+            for _ in range(s.layers)]
+    perm = torch.randperm(blocks, device=dev)
+    src, dst = perm[: s.copy_blocks], perm[s.copy_blocks: 2 * s.copy_blocks]
+    slots = torch.randperm(2 * s.copy_blocks)[: s.copy_blocks]
+    nbytes = 2 * s.layers * 2 * s.copy_blocks * caches[0][0, 0].numel() * caches[0].element_size()  # read + write
+    to_dev, to_dev_ref = [c.clone() for c in caches], [c.clone() for c in caches]
+    to_host, to_host_ref = [h.clone() for h in host], [h.clone() for h in host]
+    shape = f"{s.layers} layers x {s.copy_blocks} blocks of {s.block_size}x{s.kv_heads}x{s.head_dim}"
+
+    def run(fn: Callable[..., None], a: list[torch.Tensor], b: list[torch.Tensor], i: torch.Tensor,
+            j: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
+        return lambda: fn(a, b, i, j) or tuple(b)
+
+    return [Case("copy_blocks (device)", shape, run(copy_blocks, caches, to_dev, src, dst),
+                 run(copy_blocks_ref, caches, to_dev_ref, src, dst), run(copy_blocks_ref, caches, to_dev_ref, src, dst),
+                 0.0, bytes=nbytes),
+            Case("copy_blocks (to host)", shape, run(copy_blocks, caches, to_host, src, slots),
+                 run(copy_blocks_ref, caches, to_host_ref, src, slots),
+                 run(copy_blocks_ref, caches, to_host_ref, src, slots), 0.0, bytes=nbytes)]
+
+
 def _attention_case(name: str, spec: list[tuple[int, int]], s: Sizes, dev: torch.device, dt: torch.dtype,
                     window: int | None = None) -> Case:
     """One batch of (cached, new) tokens per sequence over a random cache with scattered blocks."""
@@ -266,7 +301,8 @@ def case_fp8(s: Sizes, dev: torch.device, dt: torch.dtype) -> list[Case]:
 
 
 CASE_BUILDERS: list[Callable[[Sizes, torch.device, torch.dtype], list[Case]]] = [
-    case_rms_norm, case_silu_and_mul, case_rotary, case_write_kv, case_attention, case_moe, case_fp8,
+    case_rms_norm, case_silu_and_mul, case_rotary, case_write_kv, case_kv_copy, case_attention, case_moe,
+    case_fp8,
 ]
 
 

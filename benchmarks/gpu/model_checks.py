@@ -9,7 +9,11 @@ run the same weights. Then, each step guarded on its own:
 - batch-1 decode through the model runner, eager vs CUDA graphs (same greedy tokens?), tok/s
   against the bandwidth bound (bytes read per token / measured copy bandwidth, in the report);
 - batch-1 `LLM.generate`, eager vs graphs; offline throughput N x in/out; transformers' `generate`
-  on the same prompts; a long run (e.g. 1000/1000) when the time budget allows.
+  on the same prompts; a long run (e.g. 1000/1000) when the time budget allows;
+- structured output (when xgrammar is importable): the same shape with a word-level tokenizer over the
+  whole vocabulary, JSON-schema requests against free ones, asynchronous scheduling (the grammar mask
+  filled while the step before runs) and synchronous (filled beside the forward, or before it); every
+  constrained answer must parse and hold the schema's keys.
 """
 
 from __future__ import annotations
@@ -35,6 +39,38 @@ TINY_LLAMA: dict[str, Any] = dict(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 
 
+# the structured step's schema: a record of a few typed fields
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}, "ok": {"type": "boolean"}},
+    "required": ["name", "count", "tags", "ok"], "additionalProperties": False}
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int, bos: int, eos: int) -> None:
+    """A word-level tokenizer with one token per id of the model's vocabulary (so every sampled id decodes):
+    printable ASCII but the space, some JSON pieces, then filler words; `bos`/`eos` are its special tokens.
+    No token holds whitespace, so a constrained answer cannot pad itself with blanks until max_tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [chr(c) for c in range(33, 127)] + ['{"', '":', '","', '"}', 'true', 'false', 'null',
+                                                  'red', 'green', 'blue', 'name', 'count', 'tags', 'ok', '<unk>']
+    words = dict.fromkeys(pieces)
+    filler = (f"w{i}" for i in range(vocab_size))
+    vocab: dict[str, int] = {}
+    for i in range(vocab_size):
+        word = "<|begin|>" if i == bos else "<|end|>" if i == eos else next(iter(words), None)
+        if word is None or word in vocab:
+            word = next(w for w in filler if w not in vocab)
+        words.pop(word, None)
+        vocab[word] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", unk_token="<unk>")
+    fast.save_pretrained(str(folder))
+
+
 def model_failures(data: dict[str, Any]) -> list[str]:
     """What in a model section's results must fail it: a step that errored, logits that do not match
     transformers, CUDA-graph tokens that differ from eager ones (skipped steps are not failures)."""
@@ -44,6 +80,12 @@ def model_failures(data: dict[str, Any]) -> list[str]:
         bad.append(f"logits_vs_hf: min cosine {data['logits_vs_hf'].get('min_cosine')}")
     if data.get("decode_b1", {}).get("graph_tokens_equal_eager") is False:
         bad.append("decode_b1: CUDA-graph tokens differ from eager ones")
+    done = [m.get("finished", 0) for r in ("async", "sync") for m in data.get("structured", {}).get(r, {}).values()
+            if isinstance(m, dict) and "finished" in m]
+    if done and not all(done):
+        bad.append(f"structured: a mode where no constrained answer finished ({done})")
+    if data.get("structured", {}).get("invalid"):
+        bad.append(f"structured: finished constrained answers that do not parse: {data['structured']['invalid']}")
     return bad
 
 
@@ -128,6 +170,15 @@ def _hf_generate(hf: Any, prompts: list[list[int]], output_len: int, device: tor
     return {"requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len, "elapsed_s": elapsed,
             "output_tokens": n_out, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + ids.numel()) / elapsed}
+
+
+def _holds(text: str) -> bool:
+    """Whether a constrained answer parses as JSON with every key SCHEMA requires."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and set(SCHEMA["required"]) <= set(obj)
 
 
 def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.device, dtype: torch.dtype,
@@ -232,6 +283,54 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         single = _hf_generate(hf, prompts(1, args.input_len), args.output_len, device)
         return {"batch": batch, "b1": single}
 
+    def structured() -> dict[str, Any]:
+        import importlib.util
+
+        if importlib.util.find_spec("xgrammar") is None:
+            raise RuntimeError("xgrammar is not installed")
+        from rivulet import LLM, SamplingParams
+        from rivulet.sampling_params import StructuredOutputsParams
+
+        sfolder = Path(tempfile.mkdtemp(prefix="rivulet_gpu_check_structured_"))
+        (sfolder / "config.json").write_text(json.dumps(cfg))
+        write_word_tokenizer(sfolder, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+        n = min(args.num_prompts, 64)
+        ps = [{"prompt_token_ids": p} for p in prompts(n, args.input_len)]
+        constrained = SamplingParams(temperature=0, max_tokens=max(args.output_len, 160),
+                                     structured_outputs=StructuredOutputsParams(json=SCHEMA))
+        free = SamplingParams(temperature=0, max_tokens=constrained.max_tokens, ignore_eos=True)
+        res: dict[str, Any] = {"requests": n, "input_len": args.input_len, "max_tokens": constrained.max_tokens}
+        for scheduling in ("async", "sync"):
+            t0 = time.perf_counter()
+            llm = LLM(str(sfolder), dtype=str(dtype).removeprefix("torch."), load_format="dummy",
+                      max_model_len=args.input_len + constrained.max_tokens + 16, max_num_seqs=n,
+                      kv_cache_memory=int(min(args.kv_cache_gib, 4) * (1 << 30)), enable_prefix_caching=False,
+                      async_scheduling=scheduling == "async")
+            core = llm.engine.core
+            row: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2),
+                                   "overlap_grammar_default": core.overlap_grammar}
+            llm.generate(ps[:2], constrained, use_tqdm=False)  # grammar compiled, graphs warm
+            modes = ["constrained", "free"] if scheduling == "async" else ["overlap", "inline", "free"]
+            for mode in modes:
+                core.overlap_grammar = mode != "inline"
+                t0 = time.perf_counter()
+                outs = llm.generate(ps, free if mode == "free" else constrained, use_tqdm=False)
+                elapsed = time.perf_counter() - t0
+                lens = [len(o.outputs[0].token_ids) for o in outs]
+                row[mode] = {"output_tokens": sum(lens), "steps": max(lens), "elapsed_s": round(elapsed, 3),
+                             "ms_per_step": round(elapsed / max(lens) * 1000, 3)}  # a step per longest answer's token
+                if mode != "free":  # an answer cut at max_tokens (whitespace is free in JSON) is not judged
+                    done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+                    bad = [c.text[:80] for c in done if not _holds(c.text)]
+                    row[mode].update(finished=len(done), valid=len(done) - len(bad))
+                    if bad:
+                        res.setdefault("invalid", {})[f"{scheduling}/{mode}"] = bad[:3]
+                    row[mode]["example"] = outs[0].outputs[0].text[:160]
+            res[scheduling] = row
+            llm.shutdown()
+            free_memory(device)
+        return res
+
     def throughput_long() -> dict[str, Any]:
         p = prompts(args.long_requests, args.long_input_len)
         return _generate(state["llm"], p, args.long_output_len)
@@ -249,6 +348,7 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         _step(out, "hf_generate", deadline, 40, hf_throughput)
         del state["hf"]  # its memory goes to the long run's KV cache
         free_memory(device)
+    _step(out, "structured", deadline, 60, structured)
     if args.long_requests:
         short = out.data.get("throughput", {})
         est = 60.0

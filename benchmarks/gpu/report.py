@@ -69,7 +69,7 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
              f"intermediate {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}", "",
              "| step | status |", "|---|---|"]
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "generate_b1",
-                 "throughput", "hf_generate", "throughput_long"):
+                 "throughput", "hf_generate", "structured", "throughput_long"):
         lines.append(f"| {step} | {_status(m.get(step))} |")
     lines.append("")
     b = m.get("rivulet_build", {})
@@ -117,6 +117,17 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
         for label, r in rows:
             lines.append(f"| {label} | {r['requests']} x {r['input_len']}/{r['output_len']} | "
                          f"{_f(r['output_tok_s'])} | {_f(r['total_tok_s'])} | {_f(r['elapsed_s'], 2)} |")
+        lines.append("")
+    st = m.get("structured", {})
+    if st.get("status") == "ok":
+        lines += [f"### Structured output ({st['requests']} requests, JSON schema vs free, up to {st['max_tokens']} "
+                  "tokens; a step per token of the longest answer)", "",
+                  "| scheduling | mode | ms/step | steps | constrained answers finished / valid |", "|---|---|---|---|---|"]
+        for sched in ("async", "sync"):
+            for mode, r in st.get(sched, {}).items():
+                if isinstance(r, dict):
+                    fin = f"{r['finished']} / {r['valid']}" if "finished" in r else "-"
+                    lines.append(f"| {sched} | {mode} | {_f(r['ms_per_step'], 2)} | {r['steps']} | {fin} |")
         lines.append("")
     return lines
 
