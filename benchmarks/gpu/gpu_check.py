@@ -133,8 +133,11 @@ def run_child(a: argparse.Namespace) -> int:
 
 def run_pytest(out: Any, deadline: Any) -> None:
     # the kernels against their references, and the KV tier's copies on the device (tiny model, float32; the
-    # tensor- and pipeline-parallel tier test wants two devices)
+    # tensor- and pipeline-parallel tier test wants two devices). The C++ CPU kernels are CI's: on the lent
+    # machine's image (torch 2.11+cu130, GCC 13) any extension's c10::str of an integer segfaults, so their
+    # error-path tests crash pytest there.
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py",
+           "--ignore=tests/kernels/test_cpu_kernels.py", "--ignore=tests/kernels/test_packed_linear.py",
            "-k", "not default_model and not every_rank", "-q", "-p", "no:cacheprovider"]
     try:
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(deadline.left() - 3, 5))
