@@ -1,9 +1,13 @@
 """`rivulet plan`'s predictions against measured steps on this machine, one layout at a time.
 
-For each layout the machine can run on the default model (one device = the whole CPU; two devices =
-one core each, as Rivulet pins its ranks), the device is probed first (`rivulet.plan.probe`, with that
-many threads), then the engine runs: decode steps of a batch (the median step once every prompt is in)
-and the prefill of one prompt; the planner predicts the same steps. Writes a markdown table and JSON.
+For each layout the machine can run (one device = the whole CPU; two devices = one core each, as Rivulet
+pins its ranks): the default model on one device and over two pipeline stages; random-weight models written
+here whose shapes split in two, a Llama (8 heads) on one device and over two tensor-parallel ranks, and a
+Mixtral-shaped MoE (8 experts, top 2) on one device, tp2 and tp2 with expert parallelism. TP x PP needs four
+ranks: more than this machine's two cores. The device is probed first (`rivulet.plan.probe`, with that many
+threads), then the engine runs: TPOT = the median decode step of a batch once every prompt is in, TTFT = the
+prefill of one prompt and its first token; with two ranks also the bytes rank 0 puts into collectives per decode
+step. The planner predicts the same. Writes a markdown table and JSON.
 
     .venv/bin/python benchmarks/plan_validation.py [--out benchmarks/results/plan_validation.json]
 """
@@ -13,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,20 +28,50 @@ from rivulet import LLM, SamplingParams
 from rivulet.bench.offline import machine_info
 from rivulet.models.arch_config import ArchConfig
 from rivulet.plan.cli import model_config
-from rivulet.plan.cluster import Cluster, Link
+from rivulet.plan.cluster import LOOPBACK_GBPS, Cluster, Device, Link
 from rivulet.plan.cost import Layout
 from rivulet.plan.planner import Predictor
 from rivulet.plan.probe import probe
 
 IN, OUT = 128, 48
-GLOO = Link(gbps=5, latency_us=50)  # ranks on one machine: gloo over loopback (an assumption, not probed)
+VOCAB = 16384
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # random-weight models whose heads and experts split in two
+    "llama-8h": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                                     num_attention_heads=8, num_key_value_heads=4)),
+    "mixtral-8e": ("MixtralConfig", dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                                         num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                                         num_experts_per_tok=2)),
+}
+TP2 = {"tensor_parallel_size": 2}
+RUNS: list[tuple[str, str, Layout, dict[str, Any]]] = [  # model, layout name, layout, engine arguments
+    ("default", "one device (all cores)", Layout(), {}),
+    ("default", "pp2 (a core per stage)", Layout(pp=2), {"pipeline_parallel_size": 2}),
+    ("llama-8h", "one device (all cores)", Layout(), {}),
+    ("llama-8h", "tp2 (a core per rank)", Layout(tp=2), TP2),
+    ("mixtral-8e", "one device (all cores)", Layout(), {}),
+    ("mixtral-8e", "tp2 (a core per rank)", Layout(tp=2), TP2),
+    ("mixtral-8e", "tp2 ep (a core per rank)", Layout(tp=2, ep=True), {**TP2, "enable_expert_parallel": True}),
+]
 
 
-def measure(kwargs: dict[str, Any], batch: int) -> tuple[float, float]:
-    """(median decode step s at `batch`, prefill s of one IN-token prompt)."""
+def write_model(kind: str, folder: Path) -> None:
+    """A random-weight bf16 checkpoint of SHAPES[kind] in `folder`."""
+    import transformers
+
+    cls, kw = SHAPES[kind]
+    cfg = getattr(transformers, cls)(vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False,
+                                     bos_token_id=1, eos_token_id=2, **kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+
+
+def measure(model: str, kwargs: dict[str, Any], batch: int) -> dict[str, float]:
+    """Median decode step s at `batch` (TPOT), the prefill of one IN-token prompt to its first token (TTFT), and
+    with several ranks rank 0's collective payload bytes per decode step."""
     g = torch.Generator().manual_seed(batch)
-    prompts = [{"prompt_token_ids": torch.randint(100, 20000, (IN,), generator=g).tolist()} for _ in range(batch + 1)]
-    llm = LLM("default", dtype="bfloat16", max_model_len=IN + OUT + 16, max_num_seqs=batch,
+    prompts = [{"prompt_token_ids": torch.randint(100, VOCAB, (IN,), generator=g).tolist()} for _ in range(batch + 1)]
+    llm = LLM(model, dtype="bfloat16", max_model_len=IN + OUT + 16, max_num_seqs=batch,
               max_num_batched_tokens=max(batch * IN, 2048), enable_prefix_caching=False, **kwargs)
     try:
         engine = llm.engine
@@ -48,48 +84,74 @@ def measure(kwargs: dict[str, Any], batch: int) -> tuple[float, float]:
         prefill = time.perf_counter() - t0
         for p in prompts[:batch]:
             engine.add_request(None, p, params)
-        steps = []
+        steps, comm = [], []
         while engine.has_unfinished_requests():
+            several = bool(kwargs)
+            if several:
+                engine.core.executor.collect("reset")
             t = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t)
-        decode = statistics.median(steps[3:-2])  # past the prefill steps and the overlap's edges
+            if several:
+                stats = engine.core.executor.collect("comm")[0]
+                comm.append(sum(v.get("payload_bytes", 0) for v in stats.values()))
+        out = {"decode": statistics.median(steps[3:-2]), "prefill": prefill}  # past the prefill steps and the edges
+        if comm:
+            out["comm_bytes"] = statistics.median(comm[3:-2])
     finally:
         llm.shutdown()
-    return decode, prefill
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/plan_validation.json")
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--models", default="default,llama-8h,mixtral-8e")
     a = ap.parse_args()
-    arch = ArchConfig.from_hf(model_config("default"))
     cores = torch.get_num_threads()
-    runs = [("one device (all cores)", Layout(), {}, 1, cores),
-            ("pp2 (a core per stage)", Layout(pp=2), {"pipeline_parallel_size": 2}, 2, max(1, cores // 2))]
-    rows = []
-    for name, layout, kwargs, devices, threads in runs:
-        torch.set_num_threads(threads)
-        device = probe(write=False)
-        torch.set_num_threads(cores)
-        predictor = Predictor(arch, Cluster(1, devices, device, intra_node=GLOO))
-        for batch in [int(b) for b in a.batches.split(",")]:
-            decode, prefill = measure(kwargs, batch)
-            want_decode = predictor.step_time(layout, batch, batch, IN + OUT / 2)["time"]
-            rows.append({"layout": name, "what": f"decode step, batch {batch}", "predicted_ms": want_decode * 1e3,
-                         "measured_ms": decode * 1e3})
-            if batch == 1:
-                want_prefill = predictor.step_time(layout, IN, 1, IN / 2)["time"]
-                rows.append({"layout": name, "what": f"prefill of {IN} tokens", "predicted_ms": want_prefill * 1e3,
-                             "measured_ms": prefill * 1e3})
-        rows.append({"layout": name, "what": "device", **device.__dict__})
-    print("| layout | step | predicted ms | measured ms | error |")
-    print("|---|---|---:|---:|---:|")
+    probes: dict[int, Device] = {}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, name, layout, kwargs in RUNS:
+            if model not in a.models.split(","):
+                continue
+            path = model
+            if model in SHAPES:
+                path = str(Path(tmp) / model)
+                if not Path(path).exists():
+                    write_model(model, Path(path))
+            devices = layout.devices
+            threads = max(1, cores // devices)
+            if threads not in probes:
+                torch.set_num_threads(threads)
+                probes[threads] = probe(write=False)
+                torch.set_num_threads(cores)
+                rows.append({"layout": f"{threads} thread(s)", "what": "device", **probes[threads].__dict__})
+            device = probes[threads]
+            link = Link(LOOPBACK_GBPS, device.link_latency_us if device.link_latency_us is not None else 50.0)
+            predictor = Predictor(ArchConfig.from_hf(model_config(path)), Cluster(1, devices, device, intra_node=link))
+            for batch in [int(b) for b in a.batches.split(",")]:
+                got = measure(path, kwargs, batch)
+                step = predictor.step_time(layout, batch, batch, IN + OUT / 2)
+                row = {"model": model, "layout": name, "what": f"TPOT (decode step), batch {batch}",
+                       "predicted_ms": step["time"] * 1e3, "measured_ms": got["decode"] * 1e3}
+                if "comm_bytes" in got:
+                    row |= {"predicted_comm_bytes": step["comm_bytes"], "measured_comm_bytes": got["comm_bytes"]}
+                rows.append(row)
+                if batch == 1:
+                    first = predictor.step_time(layout, IN, 1, IN / 2)["time"]
+                    rows.append({"model": model, "layout": name, "what": f"TTFT (prefill of {IN} tokens)",
+                                 "predicted_ms": first * 1e3, "measured_ms": got["prefill"] * 1e3})
+    print("| model | layout | measure | predicted ms | measured ms | error | comm bytes/step predicted / measured |")
+    print("|---|---|---|---:|---:|---:|---|")
     for r in rows:
         if "predicted_ms" in r:
             r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
-            print(f"| {r['layout']} | {r['what']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['error']:+.0%} |")
+            comm = (f"{r['predicted_comm_bytes']:.0f} / {r['measured_comm_bytes']:.0f}"
+                    if "measured_comm_bytes" in r else "-")
+            print(f"| {r['model']} | {r['layout']} | {r['what']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+                  f"{r['error']:+.0%} | {comm} |")
     with open(a.out, "w") as f:
         json.dump({"benchmark": "plan_validation", "input_len": IN, "output_len": OUT, **machine_info(), "rows": rows},
                   f, indent=1)

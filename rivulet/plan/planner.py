@@ -126,7 +126,8 @@ class Predictor:
         m = max(1, min(self.micro_batches, sampled))
         pipeline = (m + lay.pp - 1) / m
         d = self.cluster.device
-        host = (d.step_overhead_ms + d.seq_overhead_ms * sampled + (lay.pp - 1) * d.stage_overhead_ms) * 1e-3
+        host = (d.step_overhead_ms + d.seq_overhead_ms * sampled + (lay.pp - 1) * d.stage_overhead_ms
+                + (lay.tp > 1) * d.tp_overhead_ms) * 1e-3
         overhead = host + slowest["launches"]
         return {**slowest, "time": slowest["time"] * pipeline + host,
                 "bubble": (lay.pp - 1) / (m + lay.pp - 1), "pipeline_extra": slowest["time"] * (pipeline - 1),

@@ -5,7 +5,8 @@ decode-shaped input, whose weight streaming gives the bandwidth a decode step se
 one after another, what each GEMM call costs beyond its bytes; the same at more rows up to a prefill
 chunk, the FLOP rate reached at each batch size, `gemm_tflops`); plus the fixed time of
 engine steps of tiny models of 1 and 9 layers, which is what a step, and each layer, cost beyond their
-arithmetic (host work, sampling, op launches and small ops). The efficiencies are 1: these are reached,
+arithmetic (host work, sampling, op launches and small ops), and what two pipeline stages or two
+tensor-parallel ranks add to them (per step, and per hop of a collective: `link_latency_us`). The efficiencies are 1: these are reached,
 not peak, figures.
 """
 
@@ -69,8 +70,10 @@ def probe(write: bool = True) -> Device:
                                                                 - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
     step, layer, seq = _step_overhead_ms()
     memory = current_platform().free_memory_bytes() / 1e9
+    latency_us, tp_ms = _tp_overheads()
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
-                 round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3))
+                 round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3),
+                 round(tp_ms, 3), round(latency_us, 1))
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,20 +85,7 @@ def _step_overhead_ms() -> tuple[float, float, float]:
     """(ms per step, per layer, per sequence) of work that does not scale with the arithmetic: decode steps of
     64-wide models of 1 and 9 layers, one sequence and 32 (host work, sampling and outputs; each layer's op
     launches and small ops; each sequence's share of scheduling, sampling and output processing)."""
-    import tempfile
-
-    from rivulet.engine.llm import LLM
-    from rivulet.sampling_params import SamplingParams
-
-    per_step = {}
-    for layers, seqs in ((1, 1), (9, 1), (1, 32)):
-        with tempfile.TemporaryDirectory() as d:
-            _tiny_checkpoint(d, layers)
-            llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, max_num_seqs=seqs)
-            params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
-            _timed(llm, params, seqs)
-            per_step[layers, seqs] = statistics.median(_timed(llm, params, seqs) for _ in range(3)) / 33 * 1e3
-            llm.shutdown()
+    per_step = {(layers, seqs): _per_step_ms(layers, seqs) for layers, seqs in ((1, 1), (9, 1), (1, 32))}
     layer = max(0.0, (per_step[9, 1] - per_step[1, 1]) / 8)
     seq = max(0.0, (per_step[1, 32] - per_step[1, 1]) / 31)
     return max(0.0, per_step[1, 1] - layer - seq), layer, seq
@@ -106,21 +96,34 @@ def _stage_overhead_ms() -> float:
     64 wide decoding one sequence with two stages (a worker process each) against one; the step's
     command and result messages between the ranks, the hand-off of the hidden states, the other rank's
     host work that the step waits for."""
+    return max(0.0, _per_step_ms(2, pipeline_parallel_size=2) - _per_step_ms(2))
+
+
+def _tp_overheads() -> tuple[float, float]:
+    """(µs per hop of a collective, ms per step of a two-rank tensor-parallel group beyond its collectives): the
+    64-wide models of 1 and 9 layers decoding one sequence with two ranks (a worker process each) against one.
+    A step of L layers runs 1 + 2L all-reduces (2 hops each at two ranks) and one all-gather (1 hop), so the
+    extra time is latency x (3 + 4L) + the per-step rest; the layers' difference gives the latency."""
+    extra = {layers: _per_step_ms(layers, tensor_parallel_size=2) - _per_step_ms(layers) for layers in (1, 9)}
+    latency_ms = max(0.0, (extra[9] - extra[1]) / 32)
+    return latency_ms * 1e3, max(0.0, extra[1] - 7 * latency_ms)
+
+
+def _per_step_ms(layers: int, seqs: int = 1, **parallel: int) -> float:
+    """Median ms per decode step of `seqs` sequences on the 64-wide tiny model of `layers` layers."""
     import tempfile
 
     from rivulet.engine.llm import LLM
     from rivulet.sampling_params import SamplingParams
 
-    per_step = {}
     with tempfile.TemporaryDirectory() as d:
-        _tiny_checkpoint(d, 2)
-        for pp in (1, 2):
-            llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, pipeline_parallel_size=pp)
-            params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
-            _timed(llm, params, 1)
-            per_step[pp] = statistics.median(_timed(llm, params, 1) for _ in range(3)) / 33 * 1e3
-            llm.shutdown()
-    return max(0.0, per_step[2] - per_step[1])
+        _tiny_checkpoint(d, layers)
+        llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, max_num_seqs=seqs, **parallel)
+        params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+        _timed(llm, params, seqs)
+        ms = statistics.median(_timed(llm, params, seqs) for _ in range(3)) / 33 * 1e3
+        llm.shutdown()
+    return ms
 
 
 def _timed(llm: Any, params: Any, seqs: int) -> float:

@@ -77,6 +77,12 @@ def test_pipeline_bubble_and_step_parts():
         diff = Predictor(arch, slow).step_time(Layout(pp=pp), 8, 8, 100)["time"] - \
             Predictor(arch, CLUSTER).step_time(Layout(pp=pp), 8, 8, 100)["time"]
         assert diff == pytest.approx((pp - 1) * (2.0 - CLUSTER.device.stage_overhead_ms) * 1e-3)
+    # a tensor-parallel group adds the device's per-step tp overhead once, whatever its size
+    slow = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, tp_overhead_ms=3.0))
+    for tp in (1, 2, 4):
+        diff = Predictor(arch, slow).step_time(Layout(tp=tp), 8, 8, 100)["time"] - \
+            Predictor(arch, CLUSTER).step_time(Layout(tp=tp), 8, 8, 100)["time"]
+        assert diff == pytest.approx((tp > 1) * (3.0 - CLUSTER.device.tp_overhead_ms) * 1e-3)
     # memory-bound decode: the weights and KV read at 100 GB/s
     s = ModelCost(arch, Layout()).step(0, 8, 8, 100, 2)
     assert single["memory"] == pytest.approx((s["weight_bytes"] + s["kv_bytes"]) / 100e9)
@@ -149,4 +155,6 @@ def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
     dev = probe()
     assert dev.mem_bw_gbps > 0.5 and dev.bf16_tflops > 0.005 and 0 < dev.step_overhead_ms < 1000
     assert 0 < dev.stage_overhead_ms < 1000  # two pipeline stages cost something per step beyond one
-    assert Cluster.load(str(tmp_path / "c.yaml")).device == dev
+    assert 0 <= dev.tp_overhead_ms < 1000 and 0 < dev.link_latency_us < 1e5  # so do two tensor-parallel ranks
+    cluster = Cluster.load(str(tmp_path / "c.yaml"))
+    assert cluster.device == dev and cluster.intra_node.latency_us == dev.link_latency_us  # the measured link
