@@ -28,7 +28,7 @@ from rivulet import LLM, SamplingParams
 from rivulet.bench.offline import machine_info
 from rivulet.models.arch_config import ArchConfig
 from rivulet.plan.cli import model_config
-from rivulet.plan.cluster import LOOPBACK_GBPS, Cluster, Device, Link
+from rivulet.plan.cluster import Cluster, Device, Link
 from rivulet.plan.cost import Layout
 from rivulet.plan.planner import Predictor
 from rivulet.plan.probe import probe
@@ -129,7 +129,7 @@ def main() -> None:
                 torch.set_num_threads(cores)
                 rows.append({"layout": f"{threads} thread(s)", "what": "device", **probes[threads].__dict__})
             device = probes[threads]
-            link = Link(LOOPBACK_GBPS, device.link_latency_us if device.link_latency_us is not None else 50.0)
+            link = Link(device.link_gbps or 1.0, device.link_latency_us if device.link_latency_us is not None else 500.0)
             predictor = Predictor(ArchConfig.from_hf(model_config(path)), Cluster(1, devices, device, intra_node=link))
             for batch in [int(b) for b in a.batches.split(",")]:
                 got = measure(path, kwargs, batch)

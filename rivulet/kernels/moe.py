@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -49,21 +51,25 @@ def grouped_topk_routing_ref(
 
 def fused_moe_ref(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Sequence[torch.Tensor],
+    w2: torch.Tensor | Sequence[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref,
 ) -> torch.Tensor:
     """sum_k weight_k * expert_{id_k}(x) with expert(x) = w2 @ silu_and_mul(w13 @ x).
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Experts with no tokens are
-    skipped; per expert, its tokens are gathered, computed as one GEMM and scattered back.
+    skipped; per expert, its tokens are gathered, computed as one GEMM and scattered back, in ascending
+    expert order. `linear` and `act` may be a backend's: then w13[e] and w2[e] are in `linear`'s weight
+    layout (the CPU's packed experts, one per list entry).
     """
     out = torch.zeros_like(x)
     weights = topk_weights.to(x.dtype)
     for e in torch.unique(topk_ids).tolist():
         token_idx, slot = torch.where(topk_ids == e)
-        h = silu_and_mul_ref(F.linear(x[token_idx], w13[e]))
-        y = F.linear(h, w2[e]) * weights[token_idx, slot, None]
+        h = act(linear(x[token_idx], w13[e]))
+        y = linear(h, w2[e]) * weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y)
     return out

@@ -9,6 +9,7 @@ from torch import nn
 from rivulet.distributed import (all_to_all, get_parallel_state, padded_tokens, sequence_parallel_all_gather,
                                  tensor_parallel_all_reduce, tensor_parallel_reduce_scatter)
 from rivulet.kernels.activation import silu_and_mul_ref
+from rivulet.kernels.moe import fused_moe_ref
 from rivulet.kernels.ops import get_op
 
 
@@ -59,6 +60,8 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self._topk_routing, self._fused_moe = get_op("topk_routing"), get_op("fused_moe")
+        # per local slot, w13 and w2 in the backend's packed layout (`pack_experts`); the stacked weights go
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str, expert_id: int | None = None) -> None:
         """Load one expert's `w1` (gate), `w3` (up) or `w2` (down), or all experts at once
@@ -84,6 +87,26 @@ class FusedMoE(nn.Module):
         else:
             dst.copy_(loaded.narrow(1, r * n, n))
 
+    def pack_experts(self) -> bool:
+        """Put every local expert's weights in the backend's packed layout for `packed_linear` (the CPU's, for
+        bf16) and drop the stacked copies; False (nothing changed) where the backend has no such layout."""
+        pack = get_op("pack_linear_weight")
+        w13 = [pack(w) for w in self.w13_weight.data]
+        w2 = [pack(w) for w in self.w2_weight.data]
+        if any(p is None for p in w13 + w2):
+            return False
+        self.packed = (w13, w2)
+        self._linear, self._act = get_op("packed_linear"), get_op("silu_and_mul")
+        for name in ("w13_weight", "w2_weight"):  # read through `packed` from now on
+            setattr(self, name, nn.Parameter(getattr(self, name).data.new_empty(0), requires_grad=False))
+        return True
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Slot-indexed experts' weighted sum (ids are local slots here)."""
+        if self.packed is not None:
+            return fused_moe_ref(x, *self.packed, weights, ids, linear=self._linear, act=self._act)
+        return self._fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+
     def reset_load_stats(self) -> None:
         self.expert_counts.zero_()
         self.rank_load.zero_()
@@ -103,7 +126,7 @@ class FusedMoE(nn.Module):
         if self.ep:
             return self._forward_ep(x, weights, ids)
         self.rank_load.add_(flat.numel())
-        y = self._fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        y = self._experts(x, weights, ids)
         if self.parallel.sp:
             return tensor_parallel_reduce_scatter(y, self.parallel)
         return tensor_parallel_all_reduce(y, self.parallel)
@@ -145,11 +168,13 @@ class FusedMoE(nn.Module):
         # compute the received rows, expert by expert, each scaled by its routing weight
         r_ids, r_w = ids.flatten()[recv_rows], weights.flatten()[recv_rows].to(x.dtype)
         out_rows = torch.empty_like(recv)
+        w13, w2 = self.packed or (self.w13_weight, self.w2_weight)
+        linear, act = (self._linear, self._act) if self.packed is not None else (F.linear, silu_and_mul_ref)
         for e in torch.unique(r_ids).tolist():
             sel = torch.where(r_ids == e)[0]
             slot = self.slot_of[e]
-            h = silu_and_mul_ref(F.linear(recv[sel], self.w13_weight[slot]))
-            out_rows[sel] = F.linear(h, self.w2_weight[slot]) * r_w[sel, None]
+            h = act(linear(recv[sel], w13[slot]))
+            out_rows[sel] = linear(h, w2[slot]) * r_w[sel, None]
         back = all_to_all(out_rows, recv_counts, send_counts, ps)
         # combine: each token's rows summed in ascending expert order (as the single-rank kernel does)
         y_rows = torch.zeros(shard * k, x.shape[1], dtype=x.dtype, device=x.device)

@@ -34,6 +34,7 @@ from rivulet.config import RivuletError
 from rivulet.kernels.ops import get_op
 from rivulet.kernels.quant import quantize_int8_weight
 from rivulet.layers.embedding import ParallelLMHead
+from rivulet.layers.moe import FusedMoE
 from rivulet.layers.linear import LinearBase
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (x, weight, bias) -> y
@@ -93,10 +94,11 @@ class Prepacked:
 
 
 def prepack_model(model: nn.Module) -> int:
-    """Pack the weight of every dense linear the kernel backend has a layout for; returns how many."""
+    """Pack the weight of every dense linear, and every MoE layer's experts, the kernel backend has a layout
+    for; returns how many modules were packed."""
     pack = get_op("pack_linear_weight")
+    count = sum(m.pack_experts() for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None)
     users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False) if not p.is_mkldnn)
-    count = 0
     for module in model.modules():
         if not isinstance(module, (LinearBase, ParallelLMHead)) or not getattr(module, "packable", True) or \
                 isinstance(module.quant, Prepacked) or (

@@ -41,6 +41,7 @@ class Device:
     stage_overhead_ms: float = 0.05  # per step and extra pipeline stage: the ranks' step messages, the hand-off
     tp_overhead_ms: float = 0.05  # per step of a tensor-parallel group: the other ranks' step messages and host work
     link_latency_us: float | None = None  # measured (this-cpu): one hop of a collective between this machine's ranks
+    link_gbps: float | None = None  # measured (this-cpu): an all-reduce's payload GB/s between this machine's ranks
 
     def flop_rate(self, rows: int, fp8: bool = False) -> float:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak
@@ -70,7 +71,6 @@ PRESETS = {
     "a100": Device("a100", 80, 2039, 312),
 }
 NVLINK, INFINIBAND = Link(900, 2), Link(50, 5)
-LOOPBACK_GBPS = 5.0  # gloo between processes of one machine: assumed, not probed (decode payloads are small)
 
 
 def probe_path() -> Path:
@@ -121,8 +121,8 @@ class Cluster:
                     raise RivuletError(f"unknown device fields {sorted(bad)} (known: {', '.join(sorted(known))})")
                 device = Device(**{"name": "custom", **dev})
             links = {k: Link(**d[k]) for k in ("intra_node", "inter_node") if k in d}
-            if device.link_latency_us is not None and "intra_node" not in links:  # this machine's ranks, measured
-                links["intra_node"] = Link(LOOPBACK_GBPS, device.link_latency_us)
+            if device.link_latency_us is not None and device.link_gbps and "intra_node" not in links:
+                links["intra_node"] = Link(device.link_gbps, device.link_latency_us)  # this machine's ranks, measured
             out = cls(int(d.get("nodes", 1)), int(d["devices_per_node"]), device, **links)
         except KeyError as e:
             raise RivuletError(f"the cluster lacks the field {e.args[0]!r}") from None

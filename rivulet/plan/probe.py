@@ -6,7 +6,8 @@ one after another, what each GEMM call costs beyond its bytes; the same at more 
 chunk, the FLOP rate reached at each batch size, `gemm_tflops`); plus the fixed time of
 engine steps of tiny models of 1 and 9 layers, which is what a step, and each layer, cost beyond their
 arithmetic (host work, sampling, op launches and small ops), and what two pipeline stages or two
-tensor-parallel ranks add to them (per step, and per hop of a collective: `link_latency_us`). The efficiencies are 1: these are reached,
+tensor-parallel ranks add to them (per step, and per hop of a collective: `link_latency_us`), and the
+bandwidth of an all-reduce between two processes (`link_gbps`). The efficiencies are 1: these are reached,
 not peak, figures.
 """
 
@@ -71,9 +72,10 @@ def probe(write: bool = True) -> Device:
     step, layer, seq = _step_overhead_ms()
     memory = current_platform().free_memory_bytes() / 1e9
     latency_us, tp_ms = _tp_overheads()
+    gbps = _link_gbps()
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
                  round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3),
-                 round(tp_ms, 3), round(latency_us, 1))
+                 round(tp_ms, 3), round(latency_us, 1), round(gbps, 3))
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +109,44 @@ def _tp_overheads() -> tuple[float, float]:
     extra = {layers: _per_step_ms(layers, tensor_parallel_size=2) - _per_step_ms(layers) for layers in (1, 9)}
     latency_ms = max(0.0, (extra[9] - extra[1]) / 32)
     return latency_ms * 1e3, max(0.0, extra[1] - 7 * latency_ms)
+
+
+def _link_gbps() -> float:
+    """GB/s of a two-rank all-reduce's payload between two processes here (gloo, one thread each): the time of
+    4 MiB less that of 1 MiB, so the fixed latency cancels (at two ranks a ring all-reduce moves its payload
+    once: the planner's share 2 (tp - 1) / tp is 1)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_all_reduce_times, args=(rank, port, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    t1, t4 = out.get()
+    return 3 * 2**20 / max(1e-9, t4 - t1) / 1e9
+
+
+def _all_reduce_times(rank: int, port: int, out: Any) -> None:
+    """Rank `rank` of the link probe: median seconds of all-reduces of 1 and 4 MiB of bf16 (rank 0 reports)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    times = []
+    for mib in (1, 4):
+        x = torch.ones(mib * 2**19, dtype=torch.bfloat16)
+        times.append(_typical(lambda: dist.all_reduce(x), 11))
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(tuple(times))
 
 
 def _per_step_ms(layers: int, seqs: int = 1, **parallel: int) -> float:

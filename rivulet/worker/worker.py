@@ -119,7 +119,7 @@ class Worker:
 
     def local_stats(self, name: str) -> Any:
         """This rank's statistics: "comm" (bytes per collective kind), "pipeline" (step and busy
-        seconds), "experts" (per MoE layer: tokens per expert, rows per rank), "reset" (clear them)."""
+        seconds), "experts" (per MoE layer: tokens per expert, rows per rank, packed or not), "reset" (clear them)."""
         model = self.runner.model
         moes = [m for m in model.modules() if hasattr(m, "expert_counts")]
         if name == "comm":
@@ -130,7 +130,8 @@ class Worker:
                     "steps": self.steps, "step_s": self.step_time_s, "busy_s": busy}
         if name == "experts":
             return [{"expert_counts": m.expert_counts.tolist(), "rank_load": m.rank_load.tolist(),
-                     "cross_rows": int(m.cross_rows), "local_experts": list(m.local_experts)} for m in moes]
+                     "cross_rows": int(m.cross_rows), "local_experts": list(m.local_experts),
+                     "packed": m.packed is not None} for m in moes]
         if name == "reset":
             reset_comm_stats()
             self.step_time_s, self.steps = 0.0, 0

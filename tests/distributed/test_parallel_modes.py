@@ -137,6 +137,29 @@ def test_tp2_pp2_four_ranks(tiny_model_dir):
         llm.shutdown()
 
 
+def test_bf16_expert_parallel_runs_the_packed_experts(tiny_model_dir):
+    """In bf16 on CPU every rank's experts are packed for the CPU's linear kernel (`FusedMoE.pack_experts`);
+    expert parallelism then computes the rows it receives with them: the next-token distribution of each
+    prompt stays the float32 single rank's (bf16 tolerance)."""
+    path, _ = tiny_model_dir("mixtral")
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def first(llm: LLM) -> list[dict[int, float]]:
+        try:
+            outs = llm.generate(_prompts(), params, use_tqdm=False)
+            return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+        finally:
+            llm.shutdown()
+
+    want = first(LLM(str(path), dtype="float32", max_model_len=128))
+    ep = LLM(str(path), dtype="bfloat16", max_model_len=128, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert all(layer["packed"] for rank in ep.engine.core.executor.collect("experts") for layer in rank)
+    got = first(ep)
+    for g, w in zip(got, want):
+        top = max(w, key=w.get)
+        assert top in g and abs(g[top] - w[top]) < 0.1, (g, w)
+
+
 def test_expert_load_stats_and_hot_expert_replication(tiny_model_dir):
     """A skewed routing workload (prompts of one repeated token, whose tokens mostly go to experts 2
     and 3, both on rank 1): the per-expert counts show the hot expert; replicating it on every rank

@@ -114,3 +114,29 @@ def test_pack_linear_weight_keeps_float32_plain() -> None:
     x = randn(3, 16, dtype=torch.float32, seed=1)
     assert not cpu_ops.is_packed(w)
     assert torch.equal(cpu_ops.packed_linear(x, w), F.linear(x, w))  # a plain weight works too
+
+
+def test_packed_experts_equal_the_stacked_ones() -> None:
+    """A MoE layer's experts packed once (`prepack_model` on bf16): every expert's weights leave the stacked
+    tensors for the packed layout, and the layer's output stays the weighted sum of its experts (against the
+    float32 reference on the same weights, as close as the stacked bf16 path); per-row results do not depend
+    on which other tokens an expert got."""
+    from rivulet.kernels.moe import fused_moe_ref
+    from rivulet.layers.moe import FusedMoE
+    from rivulet.layers.quantization import prepack_model
+
+    moe = FusedMoE(num_experts=6, top_k=2, hidden_size=64, intermediate_size=96, renormalize=True)
+    moe.w13_weight.data = randn(6, 192, 64, dtype=torch.bfloat16) * 0.2
+    moe.w2_weight.data = randn(6, 64, 96, dtype=torch.bfloat16, seed=1) * 0.2
+    x, logits = randn(11, 64, dtype=torch.bfloat16, seed=2), randn(11, 6, dtype=torch.float32, seed=3)
+    w13, w2 = moe.w13_weight.data.clone(), moe.w2_weight.data.clone()
+    stacked = moe(x, logits)
+    assert prepack_model(moe) == 1 and moe.packed is not None and moe.w13_weight.numel() == 0
+    packed = moe(x, logits)
+    weights, ids = torch.topk(torch.softmax(logits, -1), 2)
+    truth = fused_moe_ref(x.float(), w13.float(), w2.float(), weights / weights.sum(-1, keepdim=True), ids)
+    scale = truth.abs().max()
+    assert (packed.float() - truth).abs().max() / scale < 0.02
+    assert (packed.float() - truth).abs().max() <= 2 * (stacked.float() - truth).abs().max() + 1e-3 * scale
+    # token 0 alone gives the bits it got among the eleven
+    assert torch.equal(moe(x[:1], logits[:1])[0], packed[0])

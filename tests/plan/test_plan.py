@@ -16,7 +16,7 @@ from helpers.runner import make_runner
 from helpers.tiny import TINY_CONFIGS
 from rivulet.config import RivuletError
 from rivulet.models.arch_config import ArchConfig
-from rivulet.plan.cluster import Cluster, Device
+from rivulet.plan.cluster import Cluster, Device, Link
 from rivulet.plan.cost import Layout, ModelCost, check_layout
 from rivulet.plan.planner import Predictor, SLO, Workload
 
@@ -156,5 +156,6 @@ def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
     assert dev.mem_bw_gbps > 0.5 and dev.bf16_tflops > 0.005 and 0 < dev.step_overhead_ms < 1000
     assert 0 < dev.stage_overhead_ms < 1000  # two pipeline stages cost something per step beyond one
     assert 0 <= dev.tp_overhead_ms < 1000 and 0 < dev.link_latency_us < 1e5  # so do two tensor-parallel ranks
+    assert 0.001 < dev.link_gbps < 1000
     cluster = Cluster.load(str(tmp_path / "c.yaml"))
-    assert cluster.device == dev and cluster.intra_node.latency_us == dev.link_latency_us  # the measured link
+    assert cluster.device == dev and cluster.intra_node == Link(dev.link_gbps, dev.link_latency_us)  # measured
