@@ -29,7 +29,7 @@ from rivulet.bench.offline import machine_info
 from rivulet.models.arch_config import ArchConfig
 from rivulet.plan.cli import model_config
 from rivulet.plan.cluster import Cluster, Device, Link
-from rivulet.plan.cost import Layout
+from rivulet.plan.cost import Layout, ModelCost
 from rivulet.plan.planner import Predictor
 from rivulet.plan.probe import probe
 
@@ -136,8 +136,10 @@ def main() -> None:
                 step = predictor.step_time(layout, batch, batch, IN + OUT / 2)
                 row = {"model": model, "layout": name, "what": f"TPOT (decode step), batch {batch}",
                        "predicted_ms": step["time"] * 1e3, "measured_ms": got["decode"] * 1e3}
-                if "comm_bytes" in got:
-                    row |= {"predicted_comm_bytes": step["comm_bytes"], "measured_comm_bytes": got["comm_bytes"]}
+                if "comm_bytes" in got:  # rank 0's: the first stage's payloads
+                    rank0 = ModelCost(predictor.arch, layout).step(0, batch, batch, IN + OUT / 2, 2)
+                    predicted = sum(v for k, v in rank0.items() if k in ("all_reduce", "all_gather", "all_to_all", "send"))
+                    row |= {"predicted_comm_bytes": predicted, "measured_comm_bytes": got["comm_bytes"]}
                 rows.append(row)
                 if batch == 1:
                     first = predictor.step_time(layout, IN, 1, IN / 2)["time"]
