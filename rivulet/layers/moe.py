@@ -60,7 +60,7 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self._topk_routing, self._fused_moe = get_op("topk_routing"), get_op("fused_moe")
-        # per local slot, w13 and w2 in the backend's packed layout (`pack_experts`); the stacked weights go
+        # per local slot, w13 and w2 in the backend's packed layout (`pack_experts`, which drops the stacked ones)
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str, expert_id: int | None = None) -> None:
@@ -102,7 +102,7 @@ class FusedMoE(nn.Module):
         return True
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Slot-indexed experts' weighted sum (ids are local slots here)."""
+        """The chosen experts' weighted sum, without expert parallelism (every expert is local: ids are slots)."""
         if self.packed is not None:
             return fused_moe_ref(x, *self.packed, weights, ids, linear=self._linear, act=self._act)
         return self._fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
