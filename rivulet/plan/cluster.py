@@ -42,6 +42,9 @@ class Device:
     tp_overhead_ms: float = 0.05  # per step of a tensor-parallel group: the other ranks' step messages and host work
     link_latency_us: float | None = None  # measured (this-cpu): one hop of a collective between this machine's ranks
     link_gbps: float | None = None  # measured (this-cpu): an all-reduce's payload GB/s between this machine's ranks
+    # measured (this-cpu): the FLOP rate the attention kernels reach (else attention runs at the GEMMs' rate)
+    attn_decode_tflops: float | None = None
+    attn_prefill_tflops: float | None = None
 
     def flop_rate(self, rows: int, fp8: bool = False) -> float:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak

@@ -97,7 +97,9 @@ class Predictor:
         # the GEMMs over the weights and the attention over the KV cache run one after the other: a roofline each
         bw = d.mem_bw_gbps * 1e9 * d.mem_efficiency
         gemm_compute, gemm_memory = s["flops"] / d.flop_rate(tokens, self.dtype == "fp8"), s["weight_bytes"] / bw
-        attn_compute, attn_memory = s["attn_flops"] / d.flop_rate(tokens), s["kv_bytes"] / bw
+        measured = d.attn_decode_tflops if tokens == sampled else d.attn_prefill_tflops
+        attn_rate = measured * 1e12 if measured else d.flop_rate(tokens)
+        attn_compute, attn_memory = s["attn_flops"] / attn_rate, s["kv_bytes"] / bw
         compute = max(gemm_compute, gemm_memory) if gemm_compute >= gemm_memory else 0.0
         compute += attn_compute if attn_compute >= attn_memory else 0.0
         memory = (gemm_memory if gemm_memory > gemm_compute else 0.0) + (attn_memory if attn_memory > attn_compute else 0.0)

@@ -7,7 +7,8 @@ chunk, the FLOP rate reached at each batch size, `gemm_tflops`); plus the fixed 
 engine steps of tiny models of 1 and 9 layers, which is what a step, and each layer, cost beyond their
 arithmetic (host work, sampling, op launches and small ops), and what two pipeline stages or two
 tensor-parallel ranks add to them (per step, and per hop of a collective: `link_latency_us`), and the
-bandwidth of an all-reduce between two processes (`link_gbps`). The efficiencies are 1: these are reached,
+bandwidth of an all-reduce between two processes (`link_gbps`); and the FLOP rate the attention kernels
+reach on a decode batch and on a prefill chunk (`attn_decode_tflops`, `attn_prefill_tflops`). The efficiencies are 1: these are reached,
 not peak, figures.
 """
 
@@ -73,9 +74,10 @@ def probe(write: bool = True) -> Device:
     memory = current_platform().free_memory_bytes() / 1e9
     latency_us, tp_ms = _tp_overheads()
     gbps = _link_gbps()
+    attn_decode, attn_prefill = _attention_tflops()
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
                  round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3),
-                 round(tp_ms, 3), round(latency_us, 1), round(gbps, 3))
+                 round(tp_ms, 3), round(latency_us, 1), round(gbps, 3), round(attn_decode, 4), round(attn_prefill, 4))
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +111,35 @@ def _tp_overheads() -> tuple[float, float]:
     extra = {layers: _per_step_ms(layers, tensor_parallel_size=2) - _per_step_ms(layers) for layers in (1, 9)}
     latency_ms = max(0.0, (extra[9] - extra[1]) / 32)
     return latency_ms * 1e3, max(0.0, extra[1] - 7 * latency_ms)
+
+
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_SIZE = 8, 4, 64  # the timed attention's shape
+
+
+def _attention_tflops() -> tuple[float, float]:
+    """FLOP/s (in TFLOP/s) the platform's attention reaches, counted as the planner counts it (2 x query tokens x
+    context x heads x 2 x head size): 32 decode rows over 256 cached tokens each, and one 128-token prefill
+    chunk from position 0 (causal: 64 tokens of context on average), bf16, over the paged cache."""
+    import torch
+
+    from rivulet.kernels.attention import get_attention_backend
+    from rivulet.platforms import current_platform
+    from rivulet.worker.batch import SeqChunk, build_flat_batch
+
+    bs, d = 16, ATTN_HEAD_SIZE
+    attend = get_attention_backend(current_platform().attention_backend())
+
+    def rate(chunks: list[SeqChunk], context: float) -> float:
+        batch = build_flat_batch(chunks, bs, torch.device("cpu"))
+        blocks = 1 + max(b for c in chunks for b in c.block_table)
+        cache = torch.randn(2, blocks, bs, ATTN_KV_HEADS, d).to(torch.bfloat16)
+        q = torch.randn(len(batch.input_ids), ATTN_HEADS, d).to(torch.bfloat16)
+        with torch.inference_mode():
+            t = _typical(lambda: attend(q, cache, batch.meta, d ** -0.5), 7)
+        return 2 * q.shape[0] * context * ATTN_HEADS * 2 * d / t / 1e12
+
+    decode = [SeqChunk([1], 255, list(range(16 * i, 16 * i + 16))) for i in range(32)]
+    return rate(decode, 256), rate([SeqChunk([1] * 128, 0, list(range(8)))], 64)
 
 
 def _link_gbps() -> float:

@@ -83,6 +83,14 @@ def test_pipeline_bubble_and_step_parts():
         diff = Predictor(arch, slow).step_time(Layout(tp=tp), 8, 8, 100)["time"] - \
             Predictor(arch, CLUSTER).step_time(Layout(tp=tp), 8, 8, 100)["time"]
         assert diff == pytest.approx((tp > 1) * (3.0 - CLUSTER.device.tp_overhead_ms) * 1e-3)
+    # a measured attention rate replaces the GEMMs' for the attention's FLOPs (decode and prefill steps apart)
+    s = ModelCost(arch, Layout()).step(0, 8, 8, 100, 2)
+    for field, tokens, sampled in (("attn_decode_tflops", 8, 8), ("attn_prefill_tflops", 64, 1)):
+        slow_attn = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, **{field: 1e-6}))
+        flops = ModelCost(arch, Layout()).step(0, tokens, sampled, 100, 2)["attn_flops"]
+        got = Predictor(arch, slow_attn).step_time(Layout(), tokens, sampled, 100)["time"]
+        base = Predictor(arch, CLUSTER).step_time(Layout(), tokens, sampled, 100)["time"]
+        assert got == pytest.approx(base + flops / 1e6, rel=0.05)
     # memory-bound decode: the weights and KV read at 100 GB/s
     s = ModelCost(arch, Layout()).step(0, 8, 8, 100, 2)
     assert single["memory"] == pytest.approx((s["weight_bytes"] + s["kv_bytes"]) / 100e9)
@@ -157,5 +165,6 @@ def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
     assert 0 < dev.stage_overhead_ms < 1000  # two pipeline stages cost something per step beyond one
     assert 0 <= dev.tp_overhead_ms < 1000 and 0 < dev.link_latency_us < 1e5  # so do two tensor-parallel ranks
     assert 0.001 < dev.link_gbps < 1000
+    assert 0 < dev.attn_decode_tflops < dev.bf16_tflops * 10 and 0 < dev.attn_prefill_tflops < dev.bf16_tflops * 10
     cluster = Cluster.load(str(tmp_path / "c.yaml"))
     assert cluster.device == dev and cluster.intra_node == Link(dev.link_gbps, dev.link_latency_us)  # measured
