@@ -9,11 +9,13 @@ from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource
 from rivulet.worker.model_runner import ModelRunner
 from rivulet.worker.outputs import ModelRunnerOutput
+from rivulet.worker.worker import use_rank_threads
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         set_parallel_state(ParallelState())  # one rank, whatever another engine in this process uses
+        use_rank_threads(1)  # all the process's cores, whatever a multi-rank engine before left
         self.runner = ModelRunner(config.model, config.cache, source, config.speculative, config.lora)
 
     @property

@@ -184,12 +184,17 @@ def _per_step_ms(layers: int, seqs: int = 1, **parallel: int) -> float:
     """Median ms per decode step of `seqs` sequences on the 64-wide tiny model of `layers` layers."""
     import tempfile
 
+    import torch
+
     from rivulet.engine.llm import LLM
     from rivulet.sampling_params import SamplingParams
 
+    threads = torch.get_num_threads()  # the probed device's: an engine takes every core the process may use
     with tempfile.TemporaryDirectory() as d:
         _tiny_checkpoint(d, layers)
         llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, max_num_seqs=seqs, **parallel)
+        if not parallel:
+            torch.set_num_threads(threads)
         params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
         _timed(llm, params, seqs)
         ms = statistics.median(_timed(llm, params, seqs) for _ in range(3)) / 33 * 1e3

@@ -33,10 +33,18 @@ from rivulet.worker.model_runner import ModelRunner
 from rivulet.worker.outputs import ModelRunnerOutput
 
 
+def use_rank_threads(world_size: int) -> int:
+    """Give torch this rank's share of the cores the process may run on (taskset, cgroups) and return the thread
+    count it had: an engine sets its own, whatever an engine before it in this process left."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world_size))
+    return before
+
+
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, rank: int, world_size: int, init_method: str) -> None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // world_size))  # the cores this process may run on (taskset, cgroups)
+        self.threads_before = use_rank_threads(world_size)
         self.rank = rank
         pc = config.parallel
         self.state = init_distributed(rank, world_size, init_method, current_platform().dist_backend,

@@ -225,3 +225,22 @@ def test_clear_errors(tiny_model_dir):
     with pytest.raises(RivuletError, match="replicated expert 7 is not one of the model's 4 experts"):
         check(mixtral, tensor_parallel_size=2, enable_expert_parallel=True, replicated_experts=[7])
     check(default, tensor_parallel_size=3, pipeline_parallel_size=2)  # fine: 9 heads / 3, 30 layers / 2
+
+
+def test_an_engine_after_a_multi_rank_one_has_all_the_cores(tiny_model_dir):
+    """Rank 0 of a two-rank engine runs in this process with half the cores; after it, the process has its threads
+    back, and a single-rank engine takes every core it may run on (it once ran on the one thread left)."""
+    path, _ = tiny_model_dir("llama")
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    assert torch.get_num_threads() == max(1, cores // 2)
+    llm.shutdown()
+    assert torch.get_num_threads() == before
+    torch.set_num_threads(1)  # as a caller (or an engine killed before its shutdown) may leave it
+    try:
+        single = LLM(str(path), dtype="float32", max_model_len=128)
+        assert torch.get_num_threads() == cores
+        single.shutdown()
+    finally:
+        torch.set_num_threads(before)
