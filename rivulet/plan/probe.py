@@ -160,6 +160,10 @@ def _link_gbps() -> float:
         p.start()
     for p in procs:
         p.join(120)
+        if p.exitcode != 0:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"the link probe's rank failed (exit code {p.exitcode})")
     t1, t4 = out.get()
     return 3 * 2**20 / max(1e-9, t4 - t1) / 1e9
 
