@@ -15,12 +15,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import aiohttp
-
 from rivulet.router.failover import (StreamState, resumable, server_error_event, sse, strip_token_ids,
                                      strip_token_ids_raw)
 from rivulet.router.metrics import RouterMetrics
 from rivulet.router.policies import Policy, RouteInput
+from rivulet.router.upstream import ConnectError, Response, ResponseError, Upstream
 from rivulet.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("rivulet.router")
@@ -58,7 +57,7 @@ class Answer:
     status: int
     headers: dict[str, str]
     body: bytes = b""
-    stream: aiohttp.ClientResponse | None = None
+    stream: Response | None = None
 
 
 class Router:
@@ -67,31 +66,22 @@ class Router:
         self.pool, self.policy, self.retry, self.metrics = pool, policy, retry, metrics
         self.rng = random.Random()
         self.read_timeout = read_timeout
-        self._client: aiohttp.ClientSession | None = None
-
-    @property
-    def client(self) -> aiohttp.ClientSession:
-        """The upstream HTTP client (aiohttp: at 64 concurrent streams it reaches a worker's headers in ~20 ms
-        where httpx took ~170 ms on 2 cores), made in the running loop on first use."""
-        if self._client is None:
-            # idle connections are dropped before a worker's own keep-alive timeout (uvicorn: 5 s) closes them
-            self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.read_timeout))
-        return self._client
+        # keep-alive connections per worker; idle ones are dropped before a worker's own keep-alive
+        # timeout (uvicorn: 5 s) closes them
+        self.client = Upstream(connect_timeout=5.0, read_timeout=read_timeout, idle_timeout=2.0)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
+        await self.client.close()
 
     # ---- one attempt after another ----
 
-    async def send(self, path: str, body: dict[str, Any], headers: dict[str, str], route: RouteInput | None,
+    async def send(self, path: str, body: dict[str, Any] | bytes, headers: dict[str, str], route: RouteInput | None,
                    stream: bool, tried: set[str] | None = None) -> Answer:
-        """The first usable answer to `body` from some worker (streaming: headers read, body open).
-        `route` None: any worker (no policy). A 4xx answer is usable; so is the last 5xx once retries
-        are spent. Raises UpstreamError when no worker answered at all."""
+        """The first usable answer to `body` (a JSON object, or its bytes) from some worker (streaming: headers
+        read, body open). `route` None: any worker (no policy). A 4xx answer is usable; so is the last 5xx
+        once retries are spent. Raises UpstreamError when no worker answered at all."""
         tried = set() if tried is None else tried
+        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
         last: Answer | None = None
         for attempt in range(self.retry.max_retries + 1):
             if attempt:
@@ -100,7 +90,7 @@ class Router:
             if not workers:
                 continue
             w = self.policy.choose(workers, route) if route is not None else self.rng.choice(workers)
-            answer = await self._attempt(w, path, body, headers, stream)
+            answer = await self._attempt(w, path, data, headers, stream)
             if answer is None:
                 tried.add(w.url)
                 self.metrics.retry("connection")
@@ -119,29 +109,29 @@ class Router:
             return last
         raise UpstreamError(503, "no worker could take the request (all unavailable or failing)", "no_worker")
 
-    async def _attempt(self, w: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
+    async def _attempt(self, w: Worker, path: str, data: bytes, headers: dict[str, str],
                        stream: bool) -> Answer | None:
         """One try on `w`; None when the connection failed (the worker is marked)."""
         w.in_flight += 1
         keep_open = False
         try:
-            resp = await self.client.post(w.url + path, json=body, headers=headers)
+            resp = await self.client.request("POST", w.url, path, data, headers)
             try:
                 if not (stream and resp.status == 200):
-                    data = await resp.read()
+                    content = await resp.read()
                     if resp.status < 500:
                         self.pool.succeeded(w)
-                    return Answer(w, resp.status, _passed_headers(resp), data)
+                    return Answer(w, resp.status, _passed_headers(resp), content)
                 keep_open = True
                 return Answer(w, resp.status, _passed_headers(resp), stream=resp)
             finally:
                 if not keep_open:
                     resp.release()
-        except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:  # nobody listening: out until probes pass
-            self.pool.connection_lost(w, type(e).__name__)
+        except ConnectError as e:  # nobody listening: out until probes pass
+            self.pool.connection_lost(w, str(e))
             return None
-        except aiohttp.ClientError as e:  # dropped mid-answer (or a pooled connection the worker had closed)
-            self.pool.failed(w, type(e).__name__)
+        except ResponseError as e:  # dropped mid-answer, or no byte within the read timeout
+            self.pool.failed(w, str(e))
             return None
         finally:
             if not keep_open:
@@ -189,8 +179,8 @@ class Router:
                             break
                     else:
                         failure = "the stream ended without [DONE]"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    failure = f"{type(e).__name__}: {e}"
+                except ResponseError as e:
+                    failure = str(e)
                 finally:  # a finished answer's connection goes back to the pool; any other is closed (the worker aborts)
                     answer.stream.release() if complete else answer.stream.close()
                     w.in_flight -= 1
@@ -251,12 +241,12 @@ class Router:
 DONE = b"[DONE]"
 
 
-async def _event_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+async def _event_batches(resp: Response) -> AsyncIterator[list[bytes]]:
     """The data of the SSE events of `resp`, in lists of those each network read completes; `DONE` (the
     object) comes after the body is read to its end, so the connection goes back to the pool instead of
     being closed."""
     buf, done = b"", False
-    async for piece in resp.content.iter_any():
+    async for piece in resp:
         if done:
             continue
         buf += piece
@@ -292,12 +282,5 @@ def _error_event(message: str) -> bytes:
         b"data: [DONE]\n\n"
 
 
-def _passed_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    keep = ("content-type", "retry-after", "x-request-id")
-    return {k: v for k, v in resp.headers.items() if k.lower() in keep}
-
-
-def forwarded_headers(headers: Any) -> dict[str, str]:
-    """The client headers a worker should see."""
-    return {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
-
+def _passed_headers(resp: Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k in ("content-type", "retry-after", "x-request-id")}

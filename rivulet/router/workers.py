@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
+from rivulet.router.upstream import ConnectError, ResponseError, Upstream
 
 logger = logging.getLogger("rivulet.router")
 
@@ -70,7 +70,7 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         for url in urls:
             self.add(url)
-        self._client: aiohttp.ClientSession | None = None
+        self._client: Upstream | None = None
         self._task: asyncio.Task[None] | None = None
 
     @staticmethod
@@ -131,7 +131,7 @@ class WorkerPool:
     # ---- probes ----
 
     def start(self) -> None:
-        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.health.timeout))
+        self._client = Upstream(connect_timeout=self.health.timeout, read_timeout=self.health.timeout)
         self._task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
@@ -146,18 +146,26 @@ class WorkerPool:
             await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
             await asyncio.sleep(self.health.interval)
 
+    async def _get(self, url: str, path: str) -> tuple[int, bytes]:
+        assert self._client is not None
+        r = await self._client.request("GET", url, path)
+        try:
+            return r.status, await r.read()
+        finally:
+            r.release()
+
     async def probe(self, w: Worker) -> bool:
         """One health check (and a load scrape) of `w`; updates its state; True when it passed."""
         assert self._client is not None
         cfg = self.health
         try:
-            async with self._client.get(w.url + cfg.endpoint) as r:
-                ok = r.status == 200
+            status, _ = await asyncio.wait_for(self._get(w.url, cfg.endpoint), cfg.timeout)
+            ok = status == 200
             if ok:
-                async with self._client.get(w.url + "/metrics") as r:
-                    if r.status == 200:
-                        w.engine_queue = sum(float(v) for v in _QUEUE.findall(await r.text()))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                status, text = await asyncio.wait_for(self._get(w.url, "/metrics"), cfg.timeout)
+                if status == 200:
+                    w.engine_queue = sum(float(v) for v in _QUEUE.findall(text.decode("utf-8", "replace")))
+        except (ConnectError, ResponseError, asyncio.TimeoutError, ValueError):
             ok = False
         if ok:
             w.probe_fails, w.probe_oks = 0, w.probe_oks + 1
