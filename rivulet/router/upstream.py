@@ -210,6 +210,7 @@ class Upstream:
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], str]] = {}
         self._closed = False
+        self.connections_opened = 0
 
     def _target(self, base_url: str) -> tuple[tuple[str, int, bool], str]:
         t = self._targets.get(base_url)
@@ -269,6 +270,7 @@ class Upstream:
             raise ConnectError(f"no connection to {host}:{port} within {self.connect_timeout:g} s") from e
         except OSError as e:
             raise ConnectError(f"cannot connect to {host}:{port}: {e}") from e
+        self.connections_opened += 1
         return conn
 
     def _idle_get(self, key: tuple[str, int, bool]) -> _Connection | None:

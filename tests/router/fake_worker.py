@@ -65,6 +65,7 @@ class WorkerState:
     healthy: bool = True
     requests: list[dict[str, Any]] = field(default_factory=list)
     queue: int = 0
+    streams_cut: int = 0  # streams that did not reach their end (dropped, or their client went away)
 
 
 def make_app(state: WorkerState) -> Starlette:
@@ -92,6 +93,16 @@ def make_app(state: WorkerState) -> Starlette:
                 "usage": {"prompt_tokens": len(pids), "completion_tokens": n, "total_tokens": len(pids) + n}})
 
         async def events() -> AsyncIterator[str]:
+            ended = False
+            try:
+                async for event in body_events():
+                    yield event
+                ended = True
+            finally:
+                if not ended:
+                    state.streams_cut += 1
+
+        async def body_events() -> AsyncIterator[str]:
             base = {"id": rid, "created": 1, "model": "fake",
                     "object": "chat.completion.chunk" if chat else "text_completion"}
             if chat:
