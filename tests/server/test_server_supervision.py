@@ -20,7 +20,7 @@ from server_helpers import ServerProcess, assert_error_body, wait_until
 @pytest.fixture(scope="module")
 def supervised() -> Iterator[ServerProcess]:
     proc = ServerProcess("--max-model-len", "512", "--engine-watchdog-s", "3", "--max-engine-restarts", "2",
-                         "--max-request-bytes", str(8 << 20))
+                         "--max-request-bytes", str(24 << 20))
     try:
         yield proc
     finally:
@@ -56,7 +56,7 @@ def back_up(server: ServerProcess, old_pid: int) -> int:
 def test_health_generate_and_request_size_limit(supervised: ServerProcess) -> None:
     assert httpx.get(supervised.url + "/health_generate", timeout=60).status_code == 200
     assert httpx.get(supervised.url + "/health", params={"generate": 1}, timeout=60).status_code == 200
-    big = json.dumps({"prompt": "x" * (9 << 20), "max_tokens": 1})
+    big = json.dumps({"prompt": "x" * (25 << 20), "max_tokens": 1})
     r = httpx.post(supervised.url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
     assert assert_error_body(r, 413)["code"] == "request_too_large"
 
@@ -67,11 +67,13 @@ def test_health_generate_and_request_size_limit(supervised: ServerProcess) -> No
     assert assert_error_body(r, 413)["code"] == "request_too_large"
 
 
-def test_large_prompt_does_not_stall_other_streams(supervised: ServerProcess) -> None:
-    """A 4 MB prompt (over the context: a 400 after tokenizing it) while 8 streams run: its tokenization runs in a
-    thread, so the streams' largest gap between chunks stays under 1.5 s (on the event loop it was ~2.6 s)."""
+def test_large_prompts_do_not_stall_other_streams(supervised: ServerProcess) -> None:
+    """While 16 streams run: a 20 MB prompt is refused at once (more characters than any prompt that fits the
+    512-token context: the tokenizer's longest entry is 81 characters), and a 150 kB one, which may fit as far as
+    its length says, is tokenized in a thread and refused after. The streams' largest gap between chunks stays
+    under 1.5 s (tokenizing 4 MB on the event loop stalled them ~2.6 s)."""
     gaps: list[float] = []
-    started = threading.Barrier(9)
+    started = threading.Barrier(17)
 
     def one() -> None:
         body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 60, "ignore_eos": True, "stream": True}
@@ -85,15 +87,26 @@ def test_large_prompt_does_not_stall_other_streams(supervised: ServerProcess) ->
                     else:
                         gaps.append(now - last)
                     last = now
-    threads = [threading.Thread(target=one) for _ in range(8)]
+    threads = [threading.Thread(target=one) for _ in range(16)]
     for t in threads:
         t.start()
     started.wait()
-    r = httpx.post(supervised.url + "/v1/completions", json={"prompt": "word " * (800 << 10), "max_tokens": 1},
-                   timeout=120)
+    t0 = time.monotonic()
+    huge = httpx.post(supervised.url + "/v1/completions", json={"prompt": "word " * (4 << 20), "max_tokens": 1},
+                      timeout=120)
+    huge_s = time.monotonic() - t0
+    chat = httpx.post(supervised.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "word " * (4 << 20)}], "max_tokens": 1})
+    large = httpx.post(supervised.url + "/v1/completions", json={"prompt": "word " * 30_000, "max_tokens": 1},
+                       timeout=120)
     for t in threads:
         t.join()
-    assert assert_error_body(r, 400)["code"] == "context_length_exceeded"
+    for r in (huge, chat):
+        err = assert_error_body(r, 400)
+        assert err["code"] == "context_length_exceeded" and "20971520 characters" in err["message"], err
+    assert huge_s < 5, huge_s
+    err = assert_error_body(large, 400)
+    assert err["code"] == "context_length_exceeded" and "the request needs" in err["message"], err
     assert gaps and max(gaps) < 1.5, max(gaps)
 
 

@@ -16,6 +16,7 @@ frees their KV blocks, and gives the slots back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from pathlib import Path
@@ -108,9 +109,30 @@ class ServerContext:
 
     # ---- prompts ----
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """A prompt longer than this many characters cannot fit the context, whatever it says: no token of the
+        tokenizer spells more characters than its longest vocabulary entry (a byte-level entry has one
+        character per byte; a normalizer may merge a few characters, hence the margin of 4x). Such a prompt
+        gets its 400 at once instead of after seconds of tokenizing. None without a tokenizer."""
+        tok = self.engine.tokenizer
+        vocab = tok.get_vocab() if tok is not None else {}
+        longest = max(map(len, vocab), default=0)
+        return 4 * longest * self.engine.model_info.max_model_len if longest else None
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """400 ``context_length_exceeded`` for a prompt of `chars` characters that cannot fit the context."""
+        limit = self.max_prompt_chars
+        if limit is not None and chars > limit:
+            raise OpenAIError(400, f"this model's maximum context length is {self.engine.model_info.max_model_len} "
+                                   f"tokens; a prompt of {chars} characters is longer than any prompt that fits "
+                                   f"({limit} characters at most)", param="prompt", code="context_length_exceeded")
+
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt string or token-id list; 400 if it cannot be tokenized."""
         tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
         try:
             if isinstance(prompt, str) and tok is not None:
                 return prompt, list(tok(prompt, add_special_tokens=add_special_tokens).input_ids)
