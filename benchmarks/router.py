@@ -11,6 +11,10 @@
    engine's own TTFT on 2 shared cores varies by seconds at concurrency 64, which would hide milliseconds),
    `rivulet bench serve` at concurrency 64 straight to it and through each router, in turn, `--rounds` rounds (5) in alternating order;
    the mean TTFT each router adds.
+3. Overhead, interleaved (`--interleaved N`): the same stand-in worker and one router at a time, but one load of N
+   requests at concurrency `--interleaved-concurrency` (64) where each request goes straight to the worker or through the router by a coin
+   toss, so both kinds meet the same contention at the same moments; the difference of their mean TTFTs with a
+   bootstrap 95% interval, and the router's CPU time per request (/proc).
 
     python benchmarks/router.py --out benchmarks/results/router [--routers rivulet,sglang] [--policies ...] [--skip-overhead]
 
@@ -203,6 +207,74 @@ def overhead(a: argparse.Namespace, out: Path) -> dict:
             "added_per_round_ms": added, "added_median_ms": {r: v[len(v) // 2] for r, v in added.items()}}
 
 
+def router_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children so far."""
+    total = 0.0
+    for p in [pid, *(int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                   text=True).stdout.split())]:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def interleaved(a: argparse.Namespace, out: Path) -> dict:
+    """One load, each request direct or through the router at random: the TTFT the router adds, same moments."""
+    import asyncio
+    import random
+
+    from rivulet.bench.datasets import SampleRequest
+    from rivulet.bench.serve import ClientConfig, send_request
+
+    url = f"http://127.0.0.1:{a.port + 1}"
+    worker = spawn([sys.executable, __file__, "--fake-worker", str(a.port + 1), "--fake-tpot-ms", str(a.fake_tpot_ms)],
+                   out / "overhead" / "worker.log", url)
+    req = SampleRequest(" ".join(["word"] * 128), 128, 16)
+    result: dict = {}
+
+    async def load(targets: dict[str, ClientConfig], n: int, seed: int) -> dict[str, list[float]]:
+        rng, ttft = random.Random(seed), {k: [] for k in targets}
+        sem = asyncio.Semaphore(a.interleaved_concurrency)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10.0), limits=limits) as client:
+            t0 = time.perf_counter()
+
+            async def one(kind: str) -> None:
+                async with sem:
+                    r = await send_request(client, targets[kind], req, t0)
+                if not r.success:
+                    raise RuntimeError(f"{kind}: {r.error}")
+                ttft[kind].append(r.ttft * 1000)
+            await asyncio.gather(*(one(rng.choice(list(targets))) for _ in range(n)))
+        return ttft
+
+    try:
+        for i, r in enumerate(a.routers.split(",")):
+            port = a.port + 2 + i
+            proc = spawn(router_cmd(r, port, "round_robin", [url]), out / "overhead" / f"{r}-router-interleaved.log",
+                         f"http://127.0.0.1:{port}")
+            try:
+                targets = {k: ClientConfig(u, "default", ignore_eos=True) for k, u in
+                           (("direct", url), ("router", f"http://127.0.0.1:{port}"))}
+                asyncio.run(load(targets, 128, 1))  # warm: connections, the router's first requests
+                cpu0 = router_cpu_s(proc.pid)
+                ttft = asyncio.run(load(targets, a.interleaved, 0))
+                cpu = router_cpu_s(proc.pid) - cpu0
+            finally:
+                stop(proc)
+            mean = {k: sum(v) / len(v) for k, v in ttft.items()}
+            rng = random.Random(2)
+            boot = sorted(sum(rng.choices(ttft["router"], k=len(ttft["router"]))) / len(ttft["router"]) -
+                          sum(rng.choices(ttft["direct"], k=len(ttft["direct"]))) / len(ttft["direct"])
+                          for _ in range(2000))
+            result[r] = {"concurrency": a.interleaved_concurrency, "requests": {k: len(v) for k, v in ttft.items()}, "mean_ttft_ms": mean,
+                         "added_ms": mean["router"] - mean["direct"], "added_ci95_ms": [boot[50], boot[1949]],
+                         "router_cpu_ms_per_routed_request": 1000 * cpu / len(ttft["router"])}
+            print(r, json.dumps(result[r]))
+    finally:
+        stop(worker)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/router")
@@ -221,6 +293,10 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--rounds", type=int, default=5, help="overhead run: rounds of direct and each router")
     ap.add_argument("--skip-affinity", action="store_true")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="N",
+                    help="also the interleaved overhead run with N requests (0: not run)")
+    ap.add_argument("--interleaved-concurrency", type=int, default=64,
+                    help="interleaved run: requests in flight, direct and routed together")
     ap.add_argument("--fake-worker", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--fake-tpot-ms", type=float, default=100.0,
                     help="overhead run: the stand-in worker's time per output token")
@@ -234,6 +310,8 @@ def main() -> None:
     results["affinity"] = {} if a.skip_affinity else affinity(a, out)
     if not a.skip_overhead:
         results["overhead"] = overhead(a, out)
+    if a.interleaved:
+        results["interleaved"] = interleaved(a, out)
     aff, summary = results["affinity"], {}
     for router in a.routers.split(","):
         rr, ca = (aff.get(p if router == "rivulet" else f"{router}-{p}") for p in ("round_robin", "cache_aware"))
