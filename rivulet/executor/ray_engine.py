@@ -9,10 +9,13 @@ Ray ends the actors it owns. The model path must exist on every node.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from rivulet.config import EngineConfig, RivuletError
+
+logger = logging.getLogger("rivulet.ray")
 
 
 class EngineActor:
@@ -23,6 +26,12 @@ class EngineActor:
 
         run_engine_core(EngineConfig.from_json(config_json), input_addr, output_addr)
         return 0
+
+    def where(self) -> tuple[str, str]:
+        """(node address, node id) of the node Ray placed this actor on."""
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
 def node_address() -> str:
@@ -40,10 +49,18 @@ class RayEngineProcess:
         ray = self.ray = _ray()
         cpus = float(os.environ.get("RIVULET_RAY_CPUS_PER_ENGINE", 1))
         self.actor = ray.remote(EngineActor).options(num_cpus=cpus).remote()
+        self._where = self.actor.where.remote()  # answered once Ray has placed it (ahead of `run`)
         self.ref = self.actor.run.remote(config.to_json(), input_addr, output_addr)
         self.returncode: int | None = None
+        self.node: tuple[str, str] | None = None
 
     def poll(self) -> int | None:
+        if self.node is None and self.ray.wait([self._where], timeout=0)[0]:
+            try:
+                self.node = self.ray.get(self._where)
+                logger.info("engine actor placed on node %s (id %s)", *self.node)
+            except Exception:  # the actor died before it answered: `run` below says so
+                self.node = ("?", "?")
         if self.returncode is None:
             done, _ = self.ray.wait([self.ref], timeout=0)
             if done:

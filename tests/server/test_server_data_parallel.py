@@ -103,9 +103,34 @@ def ray_engine_pids() -> list[int]:
     return sorted(pids)
 
 
-def test_ray_backend_places_replicas_as_actors_and_restarts_a_killed_one(dp: ServerProcess) -> None:
-    """--data-parallel-backend ray (a local Ray cluster): the replicas are Ray actors connected over TCP, they
-    give the texts the process replicas give, and a SIGKILLed actor is restarted as a new one."""
+@pytest.fixture
+def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A Ray cluster of three nodes on this machine (a head with no CPUs, two nodes of one CPU each: one engine
+    fits a node), named to the server by RAY_ADDRESS as a real cluster would be."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+def placements(server: ServerProcess) -> list[str]:
+    """The node ids the server logged its engine actors on, in order."""
+    return [line.rsplit("(id ", 1)[1].rstrip(")") for line in server.log().splitlines()
+            if "engine actor placed on node" in line]
+
+
+def test_ray_backend_places_replicas_on_the_clusters_nodes_and_restarts_a_killed_one(dp: ServerProcess,
+                                                                                     ray_cluster: str) -> None:
+    """--data-parallel-backend ray on a 3-node cluster: the replicas are Ray actors on two different nodes,
+    connected over TCP, they give the texts the process replicas give, and a SIGKILLed actor is restarted as a
+    new one, on the node that freed its CPU."""
     async def gather(url: str) -> list[str]:
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*(run_one(client, url + "/v1/completions", i, [0]) for i in range(1, 9, 2)))
@@ -123,11 +148,16 @@ def test_ray_backend_places_replicas_as_actors_and_restarts_a_killed_one(dp: Ser
         actors = ray_engine_pids()
         assert len(actors) == 2, actors
         assert texts(proc.url, proc) == want
+        assert wait_until(lambda: len(placements(proc)) == 2, timeout=30), proc.log()[-3000:]
+        first = placements(proc)
+        assert len(set(first)) == 2, first  # one engine per node
         os.kill(actors[0], signal.SIGKILL)
         assert wait_until(lambda: len(ray_engine_pids()) == 2 and actors[0] not in ray_engine_pids(), timeout=120)
         assert wait_until(lambda: httpx.get(proc.url + "/health").status_code == 200, timeout=60)
         assert texts(proc.url, proc) == want
         assert "restart" in proc.log()
+        assert wait_until(lambda: len(placements(proc)) == 3, timeout=30)
+        assert set(placements(proc)) == set(first)  # the new actor took the CPU the killed one gave back
     finally:
         proc.stop()
     assert wait_until(lambda: not ray_engine_pids(), timeout=60)
