@@ -34,6 +34,8 @@ from rivulet.layers.attention import Attention
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import load_model, resolve_model
 from rivulet.platforms import current_platform
+from rivulet.worker.batch import FlatBatch
+from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
 from rivulet.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class DraftRunner:
             source = resolve_model(spec.model)
         except RivuletError as e:
             raise RivuletError(f"speculative_config draft {e}") from None
+        self.device = device
         self.model, self.arch = load_model(cfg, source, dtype, device)
         current_platform().place_module(self.model)
         if self.arch.vocab_size > target.vocab_size:
@@ -64,7 +67,23 @@ class DraftRunner:
         self.max_model_len = max_model_len
         # request id -> (draft KV right below this position, guesses written from there)
         self._state: dict[str, tuple[int, list[int]]] = {}
+        self.graphs: DecodeGraphs | None = None  # its decode passes as CUDA graphs (captured by the runner)
         logger.info("draft model %s: %d layers, %d proposals per step", spec.model, len(self.attn_layers), self.k)
+
+    def capture_graphs(self, max_blocks_per_seq: int) -> None:
+        """CUDA graphs of the draft's one-token passes (drafts 2..k, and catch-ups of one token), over its KV
+        cache just allocated. On failure the runner stays eager."""
+        graphs = DecodeGraphs(DEFAULT_BUCKETS, max_blocks_per_seq, self.device)
+        graphs.capture(self.model)
+        self.graphs = graphs
+
+    def _hidden(self, flat: FlatBatch) -> torch.Tensor:
+        """The draft model's hidden states of one pass: a graph replay when the pass is one token per sequence."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(flat.input_ids, flat.positions, flat.meta, flat.layout)
+            if hidden is not None:
+                return hidden
+        return self.model(flat.input_ids, flat.positions, flat.meta)
 
     def __len__(self) -> int:
         """Requests the draft keeps state for (for tests of memory release)."""
@@ -127,7 +146,7 @@ class DraftRunner:
             s = starts_np[active] if j == 0 else ends[active] + j - 1
             n = ends[active] - s if j == 0 else np.ones(len(active), np.int64)
             flat = batch.gather(rows_np[active], s, n)
-            hidden = self.model(flat.input_ids, flat.positions, flat.meta)
+            hidden = self._hidden(flat)
             drafts[active, j] = self.model.compute_logits(hidden[flat.logits_indices]).argmax(-1).cpu().numpy()
             for i in active.tolist():
                 if depth[i]:  # (a prefill chunk's next position holds a known prompt token)

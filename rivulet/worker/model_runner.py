@@ -20,7 +20,7 @@ from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.pooling_params import PoolingParams
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
-from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
+from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs, StepGraphs, verify_buckets
 from rivulet.worker.draft_runner import DraftRunner
 from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.kv_tier import KVTierWorker
@@ -74,7 +74,8 @@ class ModelRunner:
         self.use_cuda_graphs = (self.platform.name == "cuda" and not model_config.enforce_eager
                                 and self.platform.kernel_backend() == self.platform.attention_backend() == "triton"
                                 and get_parallel_state().world_size == 1)
-        self.cuda_graphs: DecodeGraphs | None = None
+        self.cuda_graphs: StepGraphs | None = None
+        self.speculative = speculative
         self.lora: LoRAManager | None = None
         if lora is not None:
             if model_config.compilation_level > 0 or speculative is not None:
@@ -146,15 +147,25 @@ class ModelRunner:
     # ---- CUDA graphs (CUDA only; everything else runs the model eagerly) ----
 
     def _capture_cuda_graphs(self) -> None:
-        """Capture decode steps of every bucket size over the cache just allocated; on failure
-        log it and run eagerly (slower, same results)."""
+        """Capture decode steps of every bucket size over the cache just allocated (with speculative decoding
+        also verify steps of 1 + k tokens per sequence, and the draft model's decode passes); on failure log
+        it and run eagerly (slower, same results)."""
         max_blocks = -(-self.max_model_len // self.cache_config.block_size)
-        graphs = DecodeGraphs(DEFAULT_BUCKETS, max_blocks, self.device)
+        sets = [DecodeGraphs(DEFAULT_BUCKETS, max_blocks, self.device)]
+        spec = self.speculative
+        if spec is not None:
+            sets.append(DecodeGraphs(verify_buckets(spec.disable_by_batch_size), max_blocks, self.device,
+                                     query_len=1 + spec.num_speculative_tokens))
+        graphs = StepGraphs(sets)
         try:
             with torch.inference_mode():
                 graphs.capture(self.model)
+                if self.drafter is not None:
+                    self.drafter.capture_graphs(max_blocks)
         except Exception as e:  # noqa: BLE001 - eager mode still works
             self.cuda_graphs, self.cuda_graph_error = None, f"{type(e).__name__}: {e}"
+            if self.drafter is not None:
+                self.drafter.graphs = None
             logger.warning("CUDA graph capture failed, decoding eagerly: %s", self.cuda_graph_error)
             return
         self.cuda_graphs = graphs
@@ -162,7 +173,7 @@ class ModelRunner:
     def _run_model(self, batch: FlatBatch) -> torch.Tensor:
         """Hidden states of the flat batch: a CUDA-graph replay for decode steps that fit one."""
         if self.cuda_graphs is not None:
-            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta)
+            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta, batch.layout)
             if hidden is not None:
                 return hidden
         return self.forward_fn(batch.input_ids, batch.positions, batch.meta)

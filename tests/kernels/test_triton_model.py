@@ -12,7 +12,7 @@ from triton_helpers import DEVICE, TOL
 from helpers.runner import make_runner, teacher_forced_logits
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import SeqChunk, build_flat_batch
-from rivulet.worker.cuda_graph import DecodeGraphs
+from rivulet.worker.cuda_graph import DecodeGraphs, StepGraphs, verify_buckets
 
 # whole-model logits: per-op tolerances, grown through the layers
 MODEL_TOL = 1e-4 if DEVICE.type == "cpu" else 10 * TOL[torch.float32]
@@ -78,7 +78,7 @@ def test_decode_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
     caches_before = [c.clone() for c in r.kv_caches]
     want = r.model(batch.input_ids, batch.positions, batch.meta)
     graphs = DecodeGraphs((1, 2, 4), max_blocks_per_seq=4, device=DEVICE)
-    assert graphs.fits(batch.meta) and graphs.bucket_for(3) == 4
+    assert graphs.fits(batch.meta, batch.layout) and graphs.bucket_for(3) == 4
     for c, before in zip(r.kv_caches, caches_before):  # undo the eager step's writes
         c.copy_(before)
     graphs.load(batch.input_ids, batch.positions, batch.meta, 4)
@@ -90,10 +90,78 @@ def test_decode_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
     assert all(w == [2, 5, 6] for w in written)  # the blocks of the 3 real tokens' slots; nothing for padding
 
 
-def test_decode_graphs_fall_back_for_prefill_and_large_batches():
-    graphs = DecodeGraphs((1, 4), max_blocks_per_seq=2, device=torch.device("cpu"))
-    prefill = build_flat_batch([SeqChunk([1, 2], 0, [0])], 4, torch.device("cpu")).meta
-    wide = build_flat_batch([SeqChunk([1], 11, [0, 1, 2])], 4, torch.device("cpu")).meta
-    many = build_flat_batch([SeqChunk([1], 0, [i]) for i in range(5)], 4, torch.device("cpu")).meta
-    assert not graphs.fits(prefill) and not graphs.fits(wide) and not graphs.fits(many)
-    assert graphs.run(prefill.slot_mapping, prefill.slot_mapping, prefill) is None
+def test_verify_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
+    """A verify-shaped step (1 + 2 drafts = 3 new tokens per sequence) copied into a larger bucket's static
+    buffers (padding sequences: 3 tokens at positions 0-2, slots -1, context 3) gives the same hidden states
+    as the step alone and writes only the real tokens' slots."""
+    path, _ = tiny_model_dir("llama")
+    r = make_runner(path, num_blocks=32)
+    tables = [[1, 2, 10], [3, 4, 5], [6, 7]]
+    prompts = [list(range(5, 12)), list(range(40, 49)), [9, 8, 7]]
+    r.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    step = [SeqChunk([100 + i, 50, 60 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))]
+    batch = build_flat_batch(step, 4, DEVICE)
+    caches_before = [c.clone() for c in r.kv_caches]
+    want = r.model(batch.input_ids, batch.positions, batch.meta)
+    graphs = DecodeGraphs((1, 2, 4), max_blocks_per_seq=4, device=DEVICE, query_len=3)
+    assert graphs.fits(batch.meta, batch.layout) and graphs.bucket_for(3) == 4
+    for c, before in zip(r.kv_caches, caches_before):
+        c.copy_(before)
+    graphs.load(batch.input_ids, batch.positions, batch.meta, 4)
+    ids, pos, meta = graphs.static_inputs(4)
+    assert ids.shape[0] == 12 and pos[9:].tolist() == [0, 1, 2]
+    got = r.model(ids, pos, meta)[:9]
+    tol = 1e-5 if DEVICE.type == "cpu" else TOL[torch.float32]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    written = [c.ne(b).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() for c, b in zip(r.kv_caches, caches_before)]
+    assert all(w == [2, 5, 6, 7, 10] for w in written)  # positions 7-9, 9-11 and 3-5 of the three sequences
+
+
+def test_step_graphs_fall_back_for_prefill_uneven_and_large_batches():
+    cpu = torch.device("cpu")
+    graphs = DecodeGraphs((1, 4), max_blocks_per_seq=2, device=cpu)
+    prefill = build_flat_batch([SeqChunk([1, 2], 0, [0])], 4, cpu)
+    wide = build_flat_batch([SeqChunk([1], 11, [0, 1, 2])], 4, cpu)
+    many = build_flat_batch([SeqChunk([1], 0, [i]) for i in range(5)], 4, cpu)
+    assert not any(graphs.fits(b.meta, b.layout) for b in (prefill, wide, many))
+    assert graphs.run(prefill.input_ids, prefill.positions, prefill.meta, prefill.layout) is None
+    verify = DecodeGraphs((1, 4), max_blocks_per_seq=2, device=cpu, query_len=3)
+    even = build_flat_batch([SeqChunk([1, 2, 3], 0, [0]), SeqChunk([4, 5, 6], 2, [1, 2])], 4, cpu)
+    uneven = build_flat_batch([SeqChunk([1, 2], 0, [0]), SeqChunk([3, 4, 5, 6], 2, [1, 2])], 4, cpu)  # 6 tokens too
+    assert verify.fits(even.meta, even.layout) and not verify.fits(uneven.meta, uneven.layout)
+    assert not verify.fits(many.meta, many.layout) and not graphs.fits(even.meta, even.layout)
+    # a step picks the set of its own query length; nothing captured here, so nothing replays
+    steps = StepGraphs([graphs, verify])
+    assert steps.buckets == (1, 4) and steps.run(even.input_ids, even.positions, even.meta, even.layout) is None
+    assert verify_buckets(None)[-1] == 64 and verify_buckets(8) == (1, 2, 4, 8) and verify_buckets(6) == (1, 2, 4, 6)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs exist on CUDA only; the padding they rely on is "
+                                                  "tested above on every device")
+def test_cuda_graphs_of_verify_steps_and_draft_passes_give_eager_tokens(tiny_model_dir, monkeypatch):
+    """Speculative decoding with the target as its own draft (every draft accepted, so every verify step has
+    1 + k tokens per sequence): the verify steps and the draft's one-token passes replay CUDA graphs, and the
+    greedy tokens equal an eager run's."""
+    from rivulet import LLM, SamplingParams
+
+    path, _ = tiny_model_dir("llama")
+    replays: dict[int, int] = {}
+    run = DecodeGraphs.run
+
+    def counted(self, *a):
+        hidden = run(self, *a)
+        if hidden is not None:
+            replays[self.q] = replays.get(self.q, 0) + 1
+        return hidden
+    monkeypatch.setattr(DecodeGraphs, "run", counted)
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(model=str(path), dtype="float32", speculative_config=spec, enforce_eager=eager, max_model_len=128)
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert (llm.engine.core.executor.runner.cuda_graphs is None) == eager
+        llm.shutdown()
+    assert outs[False] == outs[True]
+    assert replays.get(4, 0) > 0 and replays.get(1, 0) > 0, replays
