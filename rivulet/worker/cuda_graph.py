@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
+from rivulet.worker.batch import FlatBatch
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -180,3 +181,8 @@ class StepGraphs:
         g = self.sets.get(input_ids.shape[0] // n) if n and input_ids.shape[0] % n == 0 else None
         return None if g is None else g.run(input_ids, positions, meta, layout)
 
+
+def hidden_states(graphs: DecodeGraphs | StepGraphs | None, forward: ModelForward, batch: FlatBatch) -> torch.Tensor:
+    """Hidden states of a flat batch: a replay of `graphs` when one fits the step, else `forward` eagerly."""
+    hidden = graphs.run(batch.input_ids, batch.positions, batch.meta, batch.layout) if graphs is not None else None
+    return hidden if hidden is not None else forward(batch.input_ids, batch.positions, batch.meta)

@@ -34,8 +34,7 @@ from rivulet.layers.attention import Attention
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import load_model, resolve_model
 from rivulet.platforms import current_platform
-from rivulet.worker.batch import FlatBatch
-from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs
+from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs, hidden_states
 from rivulet.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -76,14 +75,6 @@ class DraftRunner:
         graphs = DecodeGraphs(DEFAULT_BUCKETS, max_blocks_per_seq, self.device)
         graphs.capture(self.model)
         self.graphs = graphs
-
-    def _hidden(self, flat: FlatBatch) -> torch.Tensor:
-        """The draft model's hidden states of one pass: a graph replay when the pass is one token per sequence."""
-        if self.graphs is not None:
-            hidden = self.graphs.run(flat.input_ids, flat.positions, flat.meta, flat.layout)
-            if hidden is not None:
-                return hidden
-        return self.model(flat.input_ids, flat.positions, flat.meta)
 
     def __len__(self) -> int:
         """Requests the draft keeps state for (for tests of memory release)."""
@@ -146,7 +137,7 @@ class DraftRunner:
             s = starts_np[active] if j == 0 else ends[active] + j - 1
             n = ends[active] - s if j == 0 else np.ones(len(active), np.int64)
             flat = batch.gather(rows_np[active], s, n)
-            hidden = self._hidden(flat)
+            hidden = hidden_states(self.graphs, self.model, flat)  # a replay when one token per sequence
             drafts[active, j] = self.model.compute_logits(hidden[flat.logits_indices]).argmax(-1).cpu().numpy()
             for i in active.tolist():
                 if depth[i]:  # (a prefill chunk's next position holds a known prompt token)

@@ -20,7 +20,7 @@ from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.pooling_params import PoolingParams
 from rivulet.platforms import current_platform
 from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
-from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs, StepGraphs, verify_buckets
+from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs, StepGraphs, hidden_states, verify_buckets
 from rivulet.worker.draft_runner import DraftRunner
 from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.kv_tier import KVTierWorker
@@ -171,12 +171,8 @@ class ModelRunner:
         self.cuda_graphs = graphs
 
     def _run_model(self, batch: FlatBatch) -> torch.Tensor:
-        """Hidden states of the flat batch: a CUDA-graph replay for decode steps that fit one."""
-        if self.cuda_graphs is not None:
-            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta, batch.layout)
-            if hidden is not None:
-                return hidden
-        return self.forward_fn(batch.input_ids, batch.positions, batch.meta)
+        """Hidden states of the flat batch: a CUDA-graph replay for uniform steps that fit one."""
+        return hidden_states(self.cuda_graphs, self.forward_fn, batch)
 
     # ---- one step ----
 
