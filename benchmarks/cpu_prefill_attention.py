@@ -72,7 +72,7 @@ def main() -> int:
 def _sdpa(q: torch.Tensor, cache: torch.Tensor, meta, seqs: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
     out = torch.empty_like(q)
     torch.ops.rivulet.cpu_sdpa_prefill(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, seqs, out,
-                                       scale, 0)
+                                       scale, 0, 0.0)
     return out
 
 
