@@ -183,7 +183,7 @@ def _holds(text: str) -> bool:
 
 def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.device, dtype: torch.dtype,
               deadline: Deadline) -> None:
-    from rivulet import LLM
+    from rivulet import LLM, SamplingParams
 
     folder = Path(tempfile.mkdtemp(prefix="rivulet_gpu_check_"))
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -331,6 +331,55 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
             free_memory(device)
         return res
 
+    def spec_decode() -> dict[str, Any]:
+        """Plain decoding against speculative decoding on this shape, dummy weights: prompt lookup (ngram, k 4)
+        and a draft model of the same family (this config with 1/8 of its layers, k 3), at one stream and at 64
+        (where `disable_by_batch_size` 8 turns both off). Dummy weights make no language: what is accepted comes
+        from the loops greedy decoding falls into, so the rows give the verify steps' cost and the speed at the
+        acceptance they report, not what a trained pair would reach."""
+        dfolder = Path(tempfile.mkdtemp(prefix="rivulet_gpu_check_draft_"))
+        draft_layers = max(1, cfg["num_hidden_layers"] // 8)
+        (dfolder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": draft_layers}))
+        specs: dict[str, dict[str, Any] | None] = {
+            "plain": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                      "disable_by_batch_size": 8},
+            "draft": {"method": "draft_model", "model": str(dfolder), "num_speculative_tokens": 3,
+                      "disable_by_batch_size": 8}}
+        one, many = prompts(1, args.input_len), prompts(min(64, args.num_prompts), args.input_len)
+        res: dict[str, Any] = {"draft_layers": draft_layers, "streams": len(many)}
+        tokens: dict[str, list[int]] = {}
+        for name, spec in specs.items():
+            t0 = time.perf_counter()
+            llm = LLM(str(folder), dtype=str(dtype).removeprefix("torch."), load_format="dummy",
+                      max_model_len=args.input_len + args.output_len + 16, max_num_seqs=len(many),
+                      kv_cache_memory=int(min(args.kv_cache_gib, 4) * (1 << 30)), enable_prefix_caching=False,
+                      speculative_config=spec)
+            row: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2)}
+            graphs = _runner(llm).cuda_graphs
+            row["graph_query_lens"] = sorted(graphs.sets) if graphs is not None else []
+            _generate(llm, one, 4)  # warm-up
+            stats = llm.engine.core.spec_stats
+            before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+            sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+            t0 = time.perf_counter()
+            out1 = llm.generate([{"prompt_token_ids": one[0]}], sp, use_tqdm=False)[0].outputs[0].token_ids
+            row["b1"] = {"output_tok_s": len(out1) / (time.perf_counter() - t0), "output_tokens": len(out1)}
+            drafts, proposed, accepted = (a - b for a, b in zip(
+                (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+            row["b1"].update(drafts=drafts, acceptance_rate=accepted / proposed if proposed else None,
+                             tokens_per_verify=1 + accepted / drafts if drafts else None)
+            tokens[name] = list(out1)
+            row["many"] = _generate(llm, many, args.output_len)
+            res[name] = row
+            llm.shutdown()
+            free_memory(device)
+        for name in ("ngram", "draft"):
+            res[name]["speedup_b1"] = res[name]["b1"]["output_tok_s"] / res["plain"]["b1"]["output_tok_s"]
+            res[name]["speedup_many"] = res[name]["many"]["output_tok_s"] / res["plain"]["many"]["output_tok_s"]
+            res[name]["tokens_equal_plain"] = tokens[name] == tokens["plain"]
+        return res
+
     def throughput_long() -> dict[str, Any]:
         p = prompts(args.long_requests, args.long_input_len)
         return _generate(state["llm"], p, args.long_output_len)
@@ -349,6 +398,7 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         del state["hf"]  # its memory goes to the long run's KV cache
         free_memory(device)
     _step(out, "structured", deadline, 60, structured)
+    _step(out, "spec_decode", deadline, 90, spec_decode)
     if args.long_requests:
         short = out.data.get("throughput", {})
         est = 60.0

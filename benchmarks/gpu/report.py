@@ -69,7 +69,7 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
              f"intermediate {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}", "",
              "| step | status |", "|---|---|"]
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "generate_b1",
-                 "throughput", "hf_generate", "structured", "throughput_long"):
+                 "throughput", "hf_generate", "structured", "spec_decode", "throughput_long"):
         lines.append(f"| {step} | {_status(m.get(step))} |")
     lines.append("")
     b = m.get("rivulet_build", {})
@@ -128,6 +128,21 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
                 if isinstance(r, dict):
                     fin = f"{r['finished']} / {r['valid']}" if "finished" in r else "-"
                     lines.append(f"| {sched} | {mode} | {_f(r['ms_per_step'], 2)} | {r['steps']} | {fin} |")
+        lines.append("")
+    sd = m.get("spec_decode", {})
+    if sd.get("status") == "ok":
+        lines += [f"### Speculative decoding (dummy weights: acceptance comes from greedy loops; draft = this shape "
+                  f"with {sd['draft_layers']} layers)", "",
+                  f"| config | 1 stream tok/s | speedup | acceptance | tokens per verify | {sd['streams']} streams tok/s "
+                  "| speedup | graphs (query lengths) | tokens = plain |", "|---|---|---|---|---|---|---|---|---|"]
+        for name in ("plain", "ngram", "draft"):
+            r = sd.get(name)
+            if isinstance(r, dict):
+                b1 = r["b1"]
+                lines.append(f"| {name} | {_f(b1['output_tok_s'])} | {_f(r.get('speedup_b1'), 2)} | "
+                             f"{_f(b1.get('acceptance_rate'), 2)} | {_f(b1.get('tokens_per_verify'), 2)} | "
+                             f"{_f(r['many']['output_tok_s'])} | {_f(r.get('speedup_many'), 2)} | "
+                             f"{r.get('graph_query_lens')} | {_f(r.get('tokens_equal_plain'))} |")
         lines.append("")
     return lines
 

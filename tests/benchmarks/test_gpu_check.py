@@ -66,6 +66,13 @@ def test_report_renders_every_part():
                       "throughput": {"status": "ok", "requests": 256, "input_len": 128, "output_len": 128,
                                      "elapsed_s": 5.0, "output_tok_s": 6000.0, "total_tok_s": 12000.0},
                       "hf_generate": {"status": "error", "error": "CUDA out of memory"},
+                      "spec_decode": {"status": "ok", "draft_layers": 4, "streams": 64, **{
+                          name: {"b1": {"output_tok_s": tps, "acceptance_rate": acc, "tokens_per_verify": tpv},
+                                 "many": {"output_tok_s": 9000.0}, "graph_query_lens": lens,
+                                 "speedup_b1": up, "speedup_many": 1.0, "tokens_equal_plain": True}
+                          for name, tps, acc, tpv, lens, up in (("plain", 200.0, None, None, [1], None),
+                                                                ("ngram", 500.0, 0.8, 4.2, [1, 5], 2.5),
+                                                                ("draft", 300.0, 0.5, 2.5, [1, 4], 1.5))}},
                       "throughput_long": {"status": "skipped", "reason": "time budget: 3s left"}},
             "pytest": {"status": "skipped", "reason": "pytest is not installed"},
         },
@@ -74,7 +81,8 @@ def test_report_renders_every_part():
     for want in ("HBM copy bandwidth", "4000.0 GB/s", "| rms_norm | 4096x4096 | bfloat16 |", "pass", "FAIL",
                  "ERROR: RuntimeError: boom / bad", "Bandwidth bound: 266.7 tok/s", "| graphs | 200.0 | 5.00 | 75.0 |",
                  "Greedy tokens with graphs identical to eager: yes", "256 x 128/128", "## Errors",
-                 "CUDA out of memory", "skipped (time budget: 3s left)", "pytest is not installed"):
+                 "CUDA out of memory", "skipped (time budget: 3s left)", "pytest is not installed",
+                 "| ngram | 500.0 | 2.50 | 0.80 | 4.20 | 9000.0 | 1.00 | [1, 5] | yes |"):
         assert want in md, want
     assert render({}).startswith("# Rivulet GPU check")  # nothing run: still a table
 
@@ -110,9 +118,12 @@ def test_dry_run_end_to_end(tmp_path):
     model = secs["model"]
     assert model["status"] == "ok"
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "generate_b1",
-                 "throughput", "hf_generate", "throughput_long"):
+                 "throughput", "hf_generate", "spec_decode", "throughput_long"):
         assert model[step]["status"] == "ok", (step, model[step])
     assert model["logits_vs_hf"]["passed"]
+    spec = model["spec_decode"]  # float32: speculation gives plain decoding's greedy tokens
+    assert spec["ngram"]["tokens_equal_plain"] and spec["draft"]["tokens_equal_plain"], spec
+    assert spec["draft"]["b1"]["drafts"] > 0
     summary = (tmp_path / "summary.md").read_text()
     assert "Triton kernels vs PyTorch references" in summary and "Batch-1 decode" in summary
 
