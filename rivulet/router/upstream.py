@@ -67,6 +67,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if (self.busy and not self.complete and exc is None and self.status is not None and self.error is None
+                and "content-length" not in self.headers and "chunked" not in self.headers.get("transfer-encoding", "")):
+            self.complete = True  # a body without a length or chunks ends where the connection does
         if self.busy and not self.complete and self.error is None:
             self.error = ResponseError(f"the worker closed the connection mid-answer{f': {exc}' if exc else ''}")
         self._stop_watchdog()

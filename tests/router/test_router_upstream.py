@@ -98,7 +98,7 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return head + await reader.readexactly(n)
 
 
-def test_a_kept_connection_the_worker_dropped_is_replaced_and_bad_http_is_an_error() -> None:
+def test_a_kept_connection_the_worker_dropped_is_replaced_a_body_to_eof_is_read_and_bad_http_is_an_error() -> None:
     async def main() -> None:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
             await read_request(reader)  # the first request of every connection is answered, keep-alive
@@ -123,6 +123,18 @@ def test_a_kept_connection_the_worker_dropped_is_replaced_and_bad_http_is_an_err
             await read_request(reader)
             writer.write(b"SMTP ready\r\n\r\n")
             await writer.drain()
+
+        async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+            await read_request(reader)  # HTTP/1.0 style: no length, the body ends with the connection
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+            await writer.drain()
+            writer.close()
+
+        server, url, _ = await raw_server(until_close)
+        r = await c.request("GET", url, "/health")
+        assert (r.status, await r.read()) == (200, b"all of it")
+        r.release()
+        server.close()
 
         server, url, _ = await raw_server(garbage)
         with pytest.raises(ResponseError, match="not valid HTTP"):
