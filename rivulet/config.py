@@ -98,6 +98,11 @@ class SchedulerConfig:
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # a prompt with more tokens than this left to compute is "long": a step computes at most this many
+    # prefill tokens once it holds a long prompt's chunk, so long prompts finish one after another (each
+    # first token as early as it can) while short ones still batch. 0: off; None: the platform's default
+    # (the engine core's copy holds the value)
+    long_prefill_token_threshold: int | None = 0
     max_model_len: int = 2048  # the engine core's copy holds the model's value (EngineCore._setup)
     # schedule step N+1 while step N runs (rivulet/engine/core.py); None: the platform's default
     async_scheduling: bool | None = None

@@ -51,6 +51,11 @@ class Scheduler:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(cfg, name) < 1:
                 raise RivuletError(f"SchedulerConfig.{name} must be >= 1, got {getattr(cfg, name)}")
+        if (cfg.long_prefill_token_threshold or 0) < 0:
+            raise RivuletError(f"long_prefill_token_threshold must be >= 0, got {cfg.long_prefill_token_threshold}")
+        self._long_prefill = cfg.long_prefill_token_threshold or 0
+        self._step_prefill = 0  # prefill tokens in the step being built
+        self._step_long = False  # it holds a long prompt's chunk
         self.config = cfg
         self.kv_cache_manager = kv_cache_manager
         # blocks beyond a sampling step's tokens, where a draft model writes its guesses (its k drafts)
@@ -147,6 +152,7 @@ class Scheduler:
         """Build the next flat batch: running requests first, then admissions."""
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
+        self._step_prefill, self._step_long = 0, False
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_request_ids:  # memory is short: admit nobody this step
             budget = self._schedule_waiting(out, budget)
@@ -154,6 +160,18 @@ class Scheduler:
         if self.kv_tier is not None:
             out.kv_saves, out.kv_deletes = self.kv_tier.take_ops()
         return out
+
+    def _prefill_chunk(self, req: Request, remaining: int, room: int) -> int:
+        """How many of `req`'s `remaining` prompt tokens this step computes in `room` tokens of budget. All
+        that fit, except around a long prompt (more than `long_prefill_token_threshold` left): a step that
+        holds its chunk computes at most the threshold's prefill tokens in all, so long prompts go one
+        after another. An embedding's input is never cut (it is computed whole)."""
+        n = min(remaining, room)
+        cap = self._long_prefill
+        if cap and not req.is_pooling and (self._step_long or remaining > cap):
+            self._step_long = True
+            n = max(0, min(n, cap - self._step_prefill))
+        return n
 
     def _remaining(self, req: Request) -> int:
         """Tokens to compute before `req` samples again (1: a decode)."""
@@ -188,7 +206,7 @@ class Scheduler:
                     spec = req.spec_token_ids[:max(0, min(room - 1, budget - 1 - decodes_left))]
                 num_new = 1 + len(spec)
             else:
-                num_new = min(remaining, budget - decodes_left)
+                num_new = self._prefill_chunk(req, remaining, budget - decodes_left)
                 if num_new <= 0:
                     i += 1
                     continue
@@ -205,6 +223,8 @@ class Scheduler:
             )
             if spec:
                 out.scheduled_spec_tokens[req.request_id] = spec
+            elif remaining > 1:
+                self._step_prefill += num_new
             self._scheduled(req, num_new, len(spec), out)
             budget -= num_new
             i += 1
@@ -270,7 +290,9 @@ class Scheduler:
                     if not self._start_load(req, hit_ids, num_hit, found, out):
                         break
                     continue
-            num_new = min(req.num_tokens - num_hit, budget)
+            num_new = self._prefill_chunk(req, req.num_tokens - num_hit, budget)
+            if num_new <= 0:
+                break  # a long prompt waits for a step without other prefill; nobody overtakes it
             if req.is_pooling and num_new < req.num_tokens - num_hit:
                 break  # an embedding is computed whole: it waits for a step with room for all of it
             if kv.allocate_slots(req, num_new, hit_ids, self._lookahead(req, num_hit + num_new)) is None:
@@ -290,6 +312,7 @@ class Scheduler:
                 )
             )
             self._scheduled(req, num_new, 0, out)
+            self._step_prefill += num_new
             budget -= num_new
         return budget
 

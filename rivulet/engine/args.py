@@ -39,6 +39,9 @@ class EngineArgs:
         "folder for cached KV blocks on disk (the KV tier's last level; survives restarts)"))
     kv_tier_disk_bytes: int | None = field(default=None, metadata=_opt(
         "bytes the disk tier may take (default: 8 GiB, less if the disk has less free)"))
+    long_prefill_token_threshold: int | None = field(default=None, metadata=_opt(
+        "a prompt longer than this is prefilled alone in chunks of this size, long prompts one after another "
+        "(0: off; default: 512 on CPU, off on GPUs)"))
     async_scheduling: bool | None = field(default=None, metadata=_opt(
         "schedule step N+1 while step N runs (default: where the device computes apart from the host, i.e. "
         "not on CPU)"))
@@ -134,6 +137,7 @@ class EngineArgs:
                               kv_offload_memory=self.kv_offload_memory, kv_tier_path=self.kv_tier_path,
                               kv_tier_disk_bytes=self.kv_tier_disk_bytes),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,

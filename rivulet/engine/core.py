@@ -119,9 +119,12 @@ class EngineCore:
         if model_len > arch.max_position_embeddings:
             raise RivuletError(f"max_model_len {model_len} exceeds the model's context length "
                                f"({arch.max_position_embeddings})")
+        long_prefill = config.scheduler.long_prefill_token_threshold
+        if long_prefill is None:
+            long_prefill = current_platform().long_prefill_token_threshold or 0
         # configs are frozen: the core keeps a copy whose scheduler knows the model's length
-        self.config = config = dataclasses.replace(
-            config, scheduler=dataclasses.replace(config.scheduler, max_model_len=model_len))
+        self.config = config = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, max_model_len=model_len, long_prefill_token_threshold=long_prefill))
         num_blocks = self.executor.determine_num_blocks()
         bs = config.cache.block_size
         if num_blocks * bs < model_len:

@@ -108,6 +108,10 @@ class CpuPlatform(Platform):
     # the "device" is the host's own cores: a second busy thread takes a core from the OpenMP team and
     # stalls its barriers (async scheduling measured 1.3-1.4x slower steps at 64 streams on 2 cores)
     computes_apart_from_host = False
+    # prefill is compute-bound here and its GEMMs reach their rate by 512 rows, so two long prompts in one
+    # step only make both wait for the sum: long prompts go one after another in 512-token chunks (mean
+    # TTFT ~0.78x at 8 streams of 1024-token prompts; short prompts still batch: benchmarks/RESULTS.md)
+    long_prefill_token_threshold = 512
 
     @classmethod
     def is_available(cls) -> bool:

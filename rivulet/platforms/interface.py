@@ -15,6 +15,8 @@ class Platform:
     # whether the host is free while the device computes, so the engine schedules the next step then
     # (async scheduling's default)
     computes_apart_from_host: bool = True
+    # SchedulerConfig.long_prefill_token_threshold when the user does not say (None: off)
+    long_prefill_token_threshold: int | None = None
 
     @classmethod
     def is_available(cls) -> bool:

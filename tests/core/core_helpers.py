@@ -35,12 +35,14 @@ def make_scheduler(
     max_model_len: int = 128,
     prefix_caching: bool = True,
     num_lookahead_tokens: int = 0,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     return Scheduler(cfg, kv, num_lookahead_tokens)
 

@@ -68,6 +68,29 @@ def test_long_prompt_is_chunked_and_decodes_run_in_the_same_steps() -> None:
     assert step(sched, runner)[0].num_scheduled_tokens == {"d": 1, "long": 1}
 
 
+def test_long_prompts_go_one_after_another_and_short_ones_still_batch() -> None:
+    """long_prefill_token_threshold 8: a prompt with more than 8 tokens left shares a step with at most 8 prefill
+    tokens (its own chunk included), so two long prompts finish one after another, not together; prompts of 8
+    or fewer batch up to the step's budget, decodes ride along."""
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    runner = runner_for(sched)
+    sched.add_request(make_request("a", list(range(100, 120)), max_tokens=3))
+    sched.add_request(make_request("b", list(range(200, 220)), max_tokens=3))
+    got = [step(sched, runner) for _ in range(6)]
+    assert [out.num_scheduled_tokens for out, _ in got] == [
+        {"a": 8}, {"a": 8}, {"a": 4, "b": 4}, {"a": 1, "b": 8}, {"a": 1, "b": 8}, {"b": 1}]
+    firsts = {o.request_id: i for i, (_, outs) in reversed(list(enumerate(got))) for o in outs}
+    assert firsts == {"a": 2, "b": 4}  # a's first token two steps before b's (without the threshold: both at step 0)
+    for i in range(3):
+        sched.add_request(make_request(f"s{i}", list(range(300 + 10 * i, 306 + 10 * i)), max_tokens=2))
+    assert step(sched, runner)[0].num_scheduled_tokens == {"b": 1, "s0": 6, "s1": 6, "s2": 6}
+    off = make_scheduler(max_num_batched_tokens=64)
+    runner = runner_for(off)
+    off.add_request(make_request("a", list(range(100, 120)), max_tokens=3))
+    off.add_request(make_request("b", list(range(200, 220)), max_tokens=3))
+    assert step(off, runner)[0].num_scheduled_tokens == {"a": 20, "b": 20}
+
+
 def test_higher_priority_prefill_leaves_room_for_decodes() -> None:
     sched = make_scheduler(max_num_batched_tokens=16)
     runner = runner_for(sched)
