@@ -37,7 +37,7 @@ def body(i: int, stream: bool) -> dict[str, Any]:
 
 
 async def run_one(client: httpx.AsyncClient, url: str, i: int, chunks_seen: list[int]) -> str:
-    stream = i % 2 == 0
+    stream = (i // 2) % 2 == 0  # S S N N ...: round robin in arrival order gives each replica both kinds
     if not stream:
         r = await client.post(url, json=body(i, False))
         assert r.status_code == 200, r.text
