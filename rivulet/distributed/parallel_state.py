@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rivulet.distributed.comm import record
+from rivulet.distributed.shm import ShmGroup, usable
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ParallelState:
     expert_parallel: bool = False
     replicated_experts: tuple[int, ...] = ()
     pp_micro_batches: int = 1  # a step's sequences go through the stages in this many micro-batches
+    shm: ShmGroup | None = None  # the TP group's shared-memory segment, when its ranks share a host (CPU)
 
     @property
     def rank(self) -> int:
@@ -83,10 +85,11 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
             g = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
             if stage == rank // tp:
                 group = g
+    shm = ShmGroup.create(group) if tp > 1 and usable(group) else None
     state = ParallelState(tp_rank=rank % tp, tp_size=tp, tp_group=group, pp_rank=rank // tp, pp_size=pp,
                           sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                           replicated_experts=tuple(replicated_experts),
-                          pp_micro_batches=max(1, pp_micro_batches or 1))
+                          pp_micro_batches=max(1, pp_micro_batches or 1), shm=shm)
     set_parallel_state(state)
     return state
 
@@ -120,7 +123,13 @@ def tensor_parallel_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.T
         return x
     n = state.tp_size
     record("all_reduce", _nbytes(x), 2 * (n - 1) / n * _nbytes(x))
-    dist.all_reduce(x, group=state.tp_group)
+    y = x.contiguous()
+    if state.shm is not None:
+        state.shm.all_reduce(y)
+    else:
+        dist.all_reduce(y, group=state.tp_group)
+    if y is not x:
+        x.copy_(y)
     return x
 
 
@@ -130,6 +139,8 @@ def tensor_parallel_all_gather(x: torch.Tensor, state: ParallelState, dim: int =
         return x
     n = state.tp_size
     record("all_gather", n * _nbytes(x), (n - 1) * _nbytes(x))
+    if state.shm is not None:
+        return torch.cat(state.shm.all_gather(x), dim=dim)
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x.contiguous(), group=state.tp_group)
     return torch.cat(parts, dim=dim)
@@ -150,8 +161,11 @@ def tensor_parallel_reduce_scatter(x: torch.Tensor, state: ParallelState) -> tor
     if pad:
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
     x = x.contiguous()
-    out = x.new_empty(x.shape[0] // n, *x.shape[1:])
     record("reduce_scatter", _nbytes(x), (n - 1) / n * _nbytes(x))
+    if state.shm is not None:  # every rank sums all the rows (a small host's segment: cheaper than a second op)
+        state.shm.all_reduce(x)
+        return sequence_shard(x, state).clone()
+    out = x.new_empty(x.shape[0] // n, *x.shape[1:])
     _reduce_scatter_single(out, x, group=state.tp_group)
     return out
 
@@ -162,8 +176,10 @@ def sequence_parallel_all_gather(x: torch.Tensor, state: ParallelState, num_toke
         return x
     n = state.tp_size
     x = x.contiguous()
+    record("all_gather", n * _nbytes(x), (n - 1) * _nbytes(x))
+    if state.shm is not None:
+        return torch.cat(state.shm.all_gather(x))[:num_tokens]
     out = x.new_empty(x.shape[0] * n, *x.shape[1:])
-    record("all_gather", _nbytes(out), (n - 1) * _nbytes(x))
     _all_gather_single(out, x, group=state.tp_group)
     return out[:num_tokens]
 
@@ -183,10 +199,12 @@ def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], 
     """Rows of `x` split by `send_counts` go to the tensor-parallel ranks in order; returns the rows
     received, `recv_counts` from each rank, concatenated in rank order (uneven splits allowed)."""
     x = x.contiguous()
-    out = x.new_empty(sum(recv_counts), *x.shape[1:])
     row = x.element_size() * math.prod(x.shape[1:])
     sent = (sum(send_counts) - send_counts[state.tp_rank]) * row
     record("all_to_all", sent, sent)
+    if state.shm is not None:
+        return state.shm.all_to_all(x, send_counts, recv_counts)
+    out = x.new_empty(sum(recv_counts), *x.shape[1:])
     dist.all_to_all_single(out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts,
                            group=state.tp_group)
     return out
