@@ -6,7 +6,7 @@ here whose shapes split in two, a Llama (8 heads) on one device and over two ten
 Mixtral-shaped MoE (8 experts, top 2) on one device, tp2 and tp2 with expert parallelism. TP x PP needs four
 ranks: more than this machine's two cores. The device is probed first (`rivulet.plan.probe`, with that many
 threads), then the engine runs: TPOT = the median decode step of a batch once every prompt is in, TTFT = the
-prefill of one prompt and its first token; with two ranks also the bytes rank 0 puts into collectives per decode
+median prefill of one prompt to its first token (of 5); with two ranks also the bytes rank 0 puts into collectives per decode
 step. The planner predicts the same. Writes a markdown table and JSON.
 
     .venv/bin/python benchmarks/plan_validation.py [--out benchmarks/results/plan_validation.json]
@@ -34,6 +34,7 @@ from rivulet.plan.planner import Predictor
 from rivulet.plan.probe import probe
 
 IN, OUT = 128, 48
+PREFILLS = 5  # TTFT: the median of this many prefills of one prompt
 VOCAB = 16384
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # random-weight models whose heads and experts split in two
     "llama-8h": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
@@ -67,21 +68,24 @@ def write_model(kind: str, folder: Path) -> None:
 
 
 def measure(model: str, kwargs: dict[str, Any], batch: int) -> dict[str, float]:
-    """Median decode step s at `batch` (TPOT), the prefill of one IN-token prompt to its first token (TTFT), and
+    """Median decode step s at `batch` (TPOT), the median prefill of one IN-token prompt to its first token (TTFT), and
     with several ranks rank 0's collective payload bytes per decode step."""
     g = torch.Generator().manual_seed(batch)
-    prompts = [{"prompt_token_ids": torch.randint(100, VOCAB, (IN,), generator=g).tolist()} for _ in range(batch + 1)]
+    prompts = [{"prompt_token_ids": torch.randint(100, VOCAB, (IN,), generator=g).tolist()}
+               for _ in range(batch + PREFILLS)]
     llm = LLM(model, dtype="bfloat16", max_model_len=IN + OUT + 16, max_num_seqs=batch,
               max_num_batched_tokens=max(batch * IN, 2048), enable_prefix_caching=False, **kwargs)
     try:
         engine = llm.engine
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
         params = SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True)
-        t0 = time.perf_counter()
-        engine.add_request(None, prompts[-1], SamplingParams(temperature=0, max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-        prefill = time.perf_counter() - t0
+        prefills = []
+        for p in prompts[batch:]:  # one prompt at a time, the typical of a few (a two-rank step varies 2x here)
+            t0 = time.perf_counter()
+            engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=1))
+            while engine.has_unfinished_requests():
+                engine.step()
+            prefills.append(time.perf_counter() - t0)
         for p in prompts[:batch]:
             engine.add_request(None, p, params)
         steps, comm = [], []
@@ -95,7 +99,7 @@ def measure(model: str, kwargs: dict[str, Any], batch: int) -> dict[str, float]:
             if several:
                 stats = engine.core.executor.collect("comm")[0]
                 comm.append(sum(v.get("payload_bytes", 0) for v in stats.values()))
-        out = {"decode": statistics.median(steps[3:-2]), "prefill": prefill}  # past the prefill steps and the edges
+        out = {"decode": statistics.median(steps[3:-2]), "prefill": statistics.median(prefills)}  # past the prefill steps and the edges
         if comm:
             out["comm_bytes"] = statistics.median(comm[3:-2])
     finally:

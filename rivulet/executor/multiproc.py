@@ -10,7 +10,6 @@ import sys
 import threading
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from rivulet.config import EngineConfig, RivuletError
@@ -135,8 +134,8 @@ class MultiprocExecutor:
                     pass
             dist.destroy_process_group()
         set_parallel_state(ParallelState())
-        if getattr(self, "worker", None) is not None:  # rank 0 ran in this process: give its threads back
-            torch.set_num_threads(self.worker.threads_before)
+        if getattr(self, "worker", None) is not None:  # rank 0 ran in this process: give its threads and cores back
+            self.worker.cores_before.restore()
         for p in self.procs:
             try:
                 p.wait(5)

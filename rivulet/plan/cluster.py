@@ -45,6 +45,8 @@ class Device:
     # measured (this-cpu): the FLOP rate the attention kernels reach (else attention runs at the GEMMs' rate)
     attn_decode_tflops: float | None = None
     attn_prefill_tflops: float | None = None
+    act_gbps: float | None = None  # measured: element-wise kernels on activations (else the memory bandwidth reached)
+    expert_us: float = 0.0  # per routed expert hit and step beyond its GEMMs: its rows gathered, weighted, added back
 
     def flop_rate(self, rows: int, fp8: bool = False) -> float:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak

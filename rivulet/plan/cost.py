@@ -122,13 +122,20 @@ class ModelCost:
     def step(self, stage: int, tokens: int, sampled: int, context: float, weight_bytes: float,
              act_bytes: int = 2) -> dict[str, float]:
         """One rank of `stage` on a step of `tokens` tokens, `sampled` of which get logits, attending over
-        `context` cached tokens on average per token: FLOPs of the weights' GEMMs and of attention, bytes
-        read (weights, KV), collective payloads."""
+        `context` cached tokens on average per token: FLOPs of the weights' GEMMs (`expert_flops` of them in
+        routed experts, whose GEMMs see `expert_rows` rows each; `experts_hit` over the stage's MoE layers) and of
+        attention, bytes read (weights, KV) and read or written by the element-wise kernels (`act_bytes`: norms,
+        RoPE, the KV write, activations, the logits), collective payloads."""
         a, tp, lay = self.a, self.lay.tp, self.lay
         h = a.hidden_size
         layers = self.stage_layers(stage)
-        flops = attn_flops = read = 0.0
+        flops = attn_flops = expert_flops = read = hits = 0.0
         moe_layers = 0
+        expert_rows = tokens
+        # activation elements per token and layer that the element-wise kernels read and write: two residual adds
+        # + RMSNorms (4 x H each), RoPE on q and k, the KV write, then the MLP's activation (below)
+        q_w = a.num_attention_heads / tp * a.head_dim
+        act = 0.0
         for i in layers:
             attn = self.attn_params()
             flops += 2 * tokens * attn
@@ -136,29 +143,41 @@ class ModelCost:
             heads = a.num_attention_heads / tp
             per_head = (2 * a.kv_lora_rank + a.head_dim) if a.is_mla else 2 * a.head_dim
             attn_flops += 2 * tokens * context * heads * per_head  # scores and the weighted sum
+            act += 8 * h + 2 * q_w + 3 * self.kv_per_token_layer
             if a.is_sparse_layer(i):
                 moe_layers += 1
                 k = a.num_experts_per_tok
                 if lay.ep:
                     rows = tokens * k / tp * self.imbalance(tokens)
                     hit = min(a.num_experts / tp, self.experts_hit(tokens) / tp * self.imbalance(tokens))
-                    flops += 2 * rows * self.expert
+                    expert_flops += 2 * rows * self.expert
                     read += hit * self.expert * weight_bytes
                 else:
-                    flops += 2 * tokens * k * self.expert / tp
-                    read += self.experts_hit(tokens) * self.expert / tp * weight_bytes
+                    rows, hit = tokens * k, self.experts_hit(tokens)
+                    expert_flops += 2 * rows * self.expert / tp
+                    read += hit * self.expert / tp * weight_bytes
+                expert_rows = max(1.0, rows / max(hit, 1e-9))  # each expert's GEMMs see only its rows
+                hits += hit
+                # per routed row: SiLU-and-mul, its input gathered and its output weighted and added back
+                act += rows / tokens * (3 * a.moe_intermediate_size / (1 if lay.ep else tp) + 2 * h) + \
+                    self.shared / h / tp  # the shared experts' SiLU-and-mul: 3 x their width
                 flops += 2 * tokens * (self.shared / tp + h * a.num_experts)
                 read += (self.shared / tp + h * a.num_experts) * weight_bytes
             else:
                 flops += 2 * tokens * self.dense_mlp / tp
                 read += self.dense_mlp / tp * weight_bytes
+                act += 3 * a.intermediate_size / tp
         last = stage == lay.pp - 1
         if last:
             flops += 2 * sampled * self.vocab_h / tp
             read += self.vocab_h / tp * weight_bytes
         kv_read = tokens * context * self.kv_per_token_layer * len(layers) * act_bytes if tokens == sampled else \
             sampled * context * self.kv_per_token_layer * len(layers) * act_bytes  # prefill: each sequence's once
-        return {"flops": flops, "attn_flops": attn_flops, "weight_bytes": read, "kv_bytes": kv_read,
+        # the logits: this rank's bf16 shard, then the sampler's float32 copy of all, written and read
+        logits = sampled * a.vocab_size * (act_bytes / tp + 8) if last else 0.0
+        return {"flops": flops + expert_flops, "expert_flops": expert_flops, "expert_rows": expert_rows,
+                "experts_hit": hits, "act_bytes": tokens * act * act_bytes + logits,
+                "attn_flops": attn_flops, "weight_bytes": read, "kv_bytes": kv_read,
                 "gemm_calls": self.gemm_calls(stage, tokens),
                 **self.comm(stage, tokens, sampled, moe_layers, act_bytes)}
 

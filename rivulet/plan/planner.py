@@ -96,14 +96,19 @@ class Predictor:
         s = cost.step(stage, tokens, sampled, context, self.weight_bytes)
         # the GEMMs over the weights and the attention over the KV cache run one after the other: a roofline each
         bw = d.mem_bw_gbps * 1e9 * d.mem_efficiency
-        gemm_compute, gemm_memory = s["flops"] / d.flop_rate(tokens, self.dtype == "fp8"), s["weight_bytes"] / bw
+        fp8 = self.dtype == "fp8"
+        gemm_compute = ((s["flops"] - s["expert_flops"]) / d.flop_rate(tokens, fp8)
+                        + s["expert_flops"] / d.flop_rate(round(s["expert_rows"]), fp8))
+        gemm_memory = s["weight_bytes"] / bw
         measured = d.attn_decode_tflops if tokens == sampled else d.attn_prefill_tflops
         attn_rate = measured * 1e12 if measured else d.flop_rate(tokens)
         attn_compute, attn_memory = s["attn_flops"] / attn_rate, s["kv_bytes"] / bw
         compute = max(gemm_compute, gemm_memory) if gemm_compute >= gemm_memory else 0.0
         compute += attn_compute if attn_compute >= attn_memory else 0.0
         memory = (gemm_memory if gemm_memory > gemm_compute else 0.0) + (attn_memory if attn_memory > attn_compute else 0.0)
-        launches = len(cost.stage_layers(stage)) * d.layer_overhead_ms * 1e-3 + s["gemm_calls"] * d.gemm_call_us * 1e-6
+        memory += s["act_bytes"] / (d.act_gbps * 1e9 if d.act_gbps else bw)  # the element-wise kernels
+        launches = (len(cost.stage_layers(stage)) * d.layer_overhead_ms * 1e-3 + s["gemm_calls"] * d.gemm_call_us * 1e-6
+                    + s["experts_hit"] * d.expert_us * 1e-6)
         comm = 0.0
         tp_link = c.link(lay.tp)
         for kind, payload in s.items():
@@ -204,11 +209,12 @@ def explain(best: dict[str, Any], workload: Workload) -> str:
 
 def _calls(kind: str, cost: ModelCost, stage: int) -> int:
     layers = len(cost.stage_layers(stage))
-    if kind == "all_reduce":
-        return (stage == 0) + 2 * layers
+    moe = sum(cost.a.is_sparse_layer(i) for i in cost.stage_layers(stage))
+    if kind == "all_reduce":  # the embedding's, after attention, after every MLP (EP: the dense ones only)
+        return (stage == 0) + 2 * layers - (moe if cost.lay.ep else 0)
     if kind == "all_to_all":
-        return 2 * sum(cost.a.is_sparse_layer(i) for i in cost.stage_layers(stage))
-    return 1 + sum(cost.a.is_sparse_layer(i) for i in cost.stage_layers(stage))
+        return 2 * moe
+    return (stage == cost.lay.pp - 1) + (moe if cost.lay.ep else 0)  # the LM head's; EP's per MoE layer
 
 
 def _divisors(n: int) -> list[int]:

@@ -8,8 +8,9 @@ engine steps of tiny models of 1 and 9 layers, which is what a step, and each la
 arithmetic (host work, sampling, op launches and small ops), and what two pipeline stages or two
 tensor-parallel ranks add to them (per step, and per hop of a collective: `link_latency_us`), and the
 bandwidth of an all-reduce between two processes (`link_gbps`); and the FLOP rate the attention kernels
-reach on a decode batch and on a prefill chunk (`attn_decode_tflops`, `attn_prefill_tflops`). The efficiencies are 1: these are reached,
-not peak, figures.
+reach on a decode batch and on a prefill chunk (`attn_decode_tflops`, `attn_prefill_tflops`); the bandwidth of the
+element-wise kernels on activations (`act_gbps`) and what a MoE layer spends per expert it routes to beyond the
+expert's GEMMs (`expert_us`). The efficiencies are 1: these are reached, not peak, figures.
 """
 
 from __future__ import annotations
@@ -75,9 +76,13 @@ def probe(write: bool = True) -> Device:
     latency_us, tp_ms = _tp_overheads()
     gbps = _link_gbps()
     attn_decode, attn_prefill = _attention_tflops()
+    with torch.inference_mode():
+        act = _activation_gbps()
+        expert = max(0.0, _expert_us() - 2 * call_s * 1e6)  # the GEMM calls' own fixed cost is counted per call
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
                  round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3),
-                 round(tp_ms, 3), round(latency_us, 1), round(gbps, 3), round(attn_decode, 4), round(attn_prefill, 4))
+                 round(tp_ms, 3), round(latency_us, 1), round(gbps, 3), round(attn_decode, 4), round(attn_prefill, 4),
+                 round(act, 2), round(expert, 2))
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,13 +118,67 @@ def _tp_overheads() -> tuple[float, float]:
     return latency_ms * 1e3, max(0.0, extra[1] - 7 * latency_ms)
 
 
+def _activation_gbps() -> float:
+    """GB/s the element-wise kernels between the GEMMs reach on a step's activations: a residual add + RMSNorm
+    (1024 wide) and a SiLU-and-mul (2 x 2816 wide) at 256 rows less at 16 (the calls' fixed cost cancels; the
+    planner has it in the per-layer overhead), bytes read and written."""
+    import torch
+
+    from rivulet.kernels.ops import get_op
+
+    norm, act = get_op("fused_add_rms_norm"), get_op("silu_and_mul")
+    h, i = 1024, 2816
+    weight = torch.ones(h, dtype=torch.bfloat16)
+
+    def ops(rows: int) -> Callable[[], object]:
+        x, res = torch.randn(rows, h).to(torch.bfloat16), torch.randn(rows, h).to(torch.bfloat16)
+        gate_up = torch.randn(rows, 2 * i).to(torch.bfloat16)
+        return lambda: (norm(x, res, weight, 1e-5), act(gate_up))
+
+    per_row = (4 * h + 3 * i) * 2
+    return (256 - 16) * per_row / max(1e-9, _typical(ops(256), 21) - _typical(ops(16), 21)) / 1e9
+
+
+def _expert_us() -> float:
+    """µs per routed expert a step hits, beyond its GEMMs: Rivulet's MoE layer (8 experts of 512 x 1024, top 2,
+    the backend's packed weights) on 32 tokens, less the same GEMMs on the same rows alone, over the experts hit
+    (choosing the rows, gathering them, the activation, weighting and adding them back)."""
+    import torch
+
+    from rivulet.kernels.ops import get_op
+    from rivulet.layers.moe import FusedMoE
+
+    e, k, h, i, tokens = 8, 2, 512, 1024, 32
+    moe = FusedMoE(e, k, h, i, True)
+    moe.w13_weight.data = (torch.randn(e, 2 * i, h) * 0.02).to(torch.bfloat16)
+    moe.w2_weight.data = (torch.randn(e, h, i) * 0.02).to(torch.bfloat16)
+    packed = moe.pack_experts()
+    x, logits = torch.randn(tokens, h).to(torch.bfloat16), torch.randn(tokens, e)
+    ids = get_op("topk_routing")(logits, k, True)[1]
+    rows = torch.bincount(ids.flatten(), minlength=e).tolist()
+    if packed:
+        linear, w13, w2 = get_op("packed_linear"), *moe.packed  # type: ignore[misc]
+    else:
+        linear, w13, w2 = (lambda a, w, b: torch.nn.functional.linear(a, w)), moe.w13_weight, moe.w2_weight
+    inputs = [(torch.randn(n, h).to(torch.bfloat16), torch.randn(n, i).to(torch.bfloat16), j) for j, n in enumerate(rows) if n]
+
+    def gemms() -> None:
+        for a, b, j in inputs:
+            linear(a, w13[j], None)
+            linear(b, w2[j], None)
+    return (_typical(lambda: moe(x, logits), 21) - _typical(gemms, 21)) / len(inputs) * 1e6
+
+
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_SIZE = 8, 4, 64  # the timed attention's shape
+ATTN_LAYERS = 8  # caches read in turn: 8 x 8 MiB for the decode batch, past a 32 MiB last-level cache
 
 
 def _attention_tflops() -> tuple[float, float]:
     """FLOP/s (in TFLOP/s) the platform's attention reaches, counted as the planner counts it (2 x query tokens x
     context x heads x 2 x head size): 32 decode rows over 256 cached tokens each, and one 128-token prefill
-    chunk from position 0 (causal: 64 tokens of context on average), bf16, over the paged cache."""
+    chunk from position 0 (causal: 64 tokens of context on average), bf16, over the paged cache, each call on
+    another layer's cache (in a step, the weights streamed between two layers' attention evict the last one's KV:
+    a decode batch's attention runs about half as fast cold as in a loop over one cache)."""
     import torch
 
     from rivulet.kernels.attention import get_attention_backend
@@ -132,10 +191,15 @@ def _attention_tflops() -> tuple[float, float]:
     def rate(chunks: list[SeqChunk], context: float) -> float:
         batch = build_flat_batch(chunks, bs, torch.device("cpu"))
         blocks = 1 + max(b for c in chunks for b in c.block_table)
-        cache = torch.randn(2, blocks, bs, ATTN_KV_HEADS, d).to(torch.bfloat16)
+        # a layer's cache each, read in turn as a model's layers read theirs: cold, not the last call's in cache
+        caches = [torch.randn(2, blocks, bs, ATTN_KV_HEADS, d).to(torch.bfloat16) for _ in range(ATTN_LAYERS)]
         q = torch.randn(len(batch.input_ids), ATTN_HEADS, d).to(torch.bfloat16)
+
+        def layers() -> None:
+            for cache in caches:
+                attend(q, cache, batch.meta, d ** -0.5)
         with torch.inference_mode():
-            t = _typical(lambda: attend(q, cache, batch.meta, d ** -0.5), 7)
+            t = _typical(layers, 5) / ATTN_LAYERS
         return 2 * q.shape[0] * context * ATTN_HEADS * 2 * d / t / 1e12
 
     decode = [SeqChunk([1], 255, list(range(16 * i, 16 * i + 16))) for i in range(32)]
@@ -143,8 +207,8 @@ def _attention_tflops() -> tuple[float, float]:
 
 
 def _link_gbps() -> float:
-    """GB/s of a two-rank all-reduce's payload between two processes here (gloo, one thread each): the time of
-    4 MiB less that of 1 MiB, so the fixed latency cancels (at two ranks a ring all-reduce moves its payload
+    """GB/s of a two-rank all-reduce's payload between two processes here (the engine's, one thread each): the time of
+    16 MiB less that of 1 MiB, so the fixed latency cancels (at two ranks a ring all-reduce moves its payload
     once: the planner's share 2 (tp - 1) / tp is 1)."""
     import socket
 
@@ -164,21 +228,24 @@ def _link_gbps() -> float:
             for q in procs:
                 q.kill()
             raise RuntimeError(f"the link probe's rank failed (exit code {p.exitcode})")
-    t1, t4 = out.get()
-    return 3 * 2**20 / max(1e-9, t4 - t1) / 1e9
+    t1, t16 = out.get()
+    return (15 * 2**20 / (t16 - t1) if t16 > 1.5 * t1 else 16 * 2**20 / t16) / 1e9  # (noise: the whole of 16 MiB)
 
 
 def _all_reduce_times(rank: int, port: int, out: Any) -> None:
-    """Rank `rank` of the link probe: median seconds of all-reduces of 1 and 4 MiB of bf16 (rank 0 reports)."""
+    """Rank `rank` of the link probe: median seconds of the engine's all-reduces (`tensor_parallel_all_reduce`:
+    through shared memory on one host) of 1 and 16 MiB of bf16 (rank 0 reports)."""
     import torch
     import torch.distributed as dist
 
+    from rivulet.distributed import init_distributed, tensor_parallel_all_reduce
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    state = init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
     times = []
-    for mib in (1, 4):
+    for mib in (1, 16):
         x = torch.ones(mib * 2**19, dtype=torch.bfloat16)
-        times.append(_typical(lambda: dist.all_reduce(x), 11))
+        times.append(_typical(lambda: tensor_parallel_all_reduce(x, state), 11))
     dist.destroy_process_group()
     if rank == 0:
         out.put(tuple(times))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +34,40 @@ from rivulet.worker.model_runner import ModelRunner
 from rivulet.worker.outputs import ModelRunnerOutput
 
 
-def use_rank_threads(world_size: int) -> int:
-    """Give torch this rank's share of the cores the process may run on (taskset, cgroups) and return the thread
-    count it had: an engine sets its own, whatever an engine before it in this process left."""
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // world_size))
-    return before
+@dataclass(frozen=True)
+class RankCores:
+    """What `use_rank_threads` changed in the calling thread, to give back (`restore`)."""
+
+    threads: int
+    affinity: frozenset[int] | None  # None: not bound
+
+    def restore(self) -> None:
+        torch.set_num_threads(self.threads)
+        if self.affinity is not None:
+            os.sched_setaffinity(0, self.affinity)
+
+
+def use_rank_threads(world_size: int, rank: int = 0) -> RankCores:
+    """Give torch this rank's share of the cores the process may run on (taskset, cgroups): an engine sets its
+    own, whatever an engine before it in this process left. With a core or more per rank, the calling thread
+    (and the threads it starts) is bound to rank `rank`'s own share, so the ranks of one host do not take turns
+    on a core while the others wait for them in a collective (vLLM binds its CPU ranks the same way)."""
+    before = RankCores(torch.get_num_threads(), None)
+    if not hasattr(os, "sched_getaffinity"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        return before
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // world_size)
+    torch.set_num_threads(per)
+    if world_size == 1 or len(cores) < world_size:
+        return before
+    os.sched_setaffinity(0, cores[rank * per:(rank + 1) * per])
+    return RankCores(before.threads, frozenset(cores))
 
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, rank: int, world_size: int, init_method: str) -> None:
-        self.threads_before = use_rank_threads(world_size)
+        self.cores_before = use_rank_threads(world_size, rank)
         self.rank = rank
         pc = config.parallel
         self.state = init_distributed(rank, world_size, init_method, current_platform().dist_backend,

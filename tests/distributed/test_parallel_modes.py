@@ -228,15 +228,22 @@ def test_clear_errors(tiny_model_dir):
 
 
 def test_an_engine_after_a_multi_rank_one_has_all_the_cores(tiny_model_dir):
-    """Rank 0 of a two-rank engine runs in this process with half the cores; after it, the process has its threads
+    """Rank 0 of a two-rank engine runs in this process with half the cores, its thread bound to the first half
+    (rank 1's process to the second: `/proc` shows its affinity); after it, the process has its threads and cores
     back, and a single-rank engine takes every core it may run on (it once ran on the one thread left)."""
     path, _ = tiny_model_dir("llama")
-    cores = len(os.sched_getaffinity(0))
+    mask = sorted(os.sched_getaffinity(0))
+    cores = len(mask)
     before = torch.get_num_threads()
     llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2)
     assert torch.get_num_threads() == max(1, cores // 2)
+    if cores >= 2:
+        half = cores // 2
+        assert sorted(os.sched_getaffinity(0)) == mask[:half]
+        rank1 = llm.engine.core.executor.procs[0].pid
+        assert sorted(os.sched_getaffinity(rank1)) == mask[half:2 * half]
     llm.shutdown()
-    assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before and sorted(os.sched_getaffinity(0)) == mask
     torch.set_num_threads(1)  # as a caller (or an engine killed before its shutdown) may leave it
     try:
         single = LLM(str(path), dtype="float32", max_model_len=128)

@@ -91,10 +91,49 @@ def test_pipeline_bubble_and_step_parts():
         got = Predictor(arch, slow_attn).step_time(Layout(), tokens, sampled, 100)["time"]
         base = Predictor(arch, CLUSTER).step_time(Layout(), tokens, sampled, 100)["time"]
         assert got == pytest.approx(base + flops / 1e6, rel=0.05)
-    # memory-bound decode: the weights and KV read at 100 GB/s
+    # memory-bound decode: the weights and KV read, and the element-wise kernels' activations, at 100 GB/s
     s = ModelCost(arch, Layout()).step(0, 8, 8, 100, 2)
-    assert single["memory"] == pytest.approx((s["weight_bytes"] + s["kv_bytes"]) / 100e9)
+    assert single["memory"] == pytest.approx((s["weight_bytes"] + s["kv_bytes"] + s["act_bytes"]) / 100e9)
     assert s["kv_bytes"] == 8 * 100 * 4 * 2 * 2 * 16 * 2  # tokens x context x layers x (K, V) x 2 heads x 16 x 2 B
+    # per token and layer 8H (two add + norms) + 2 x 64 (RoPE on q) + 3 x 64 (k, v: RoPE, cache write) + 3 x 96
+    # (SiLU-and-mul), 2 B each; the logits 2 B + a float32 copy written and read per vocabulary entry
+    assert s["act_bytes"] == 8 * 4 * (8 * 64 + 2 * 64 + 3 * 64 + 3 * 96) * 2 + 8 * 256 * (2 + 8)
+    fast_act = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, act_gbps=1e9))
+    assert Predictor(arch, fast_act).step_time(Layout(), 8, 8, 100)["memory"] == pytest.approx(
+        (s["weight_bytes"] + s["kv_bytes"]) / 100e9, rel=1e-6)
+
+
+MIXTRAL = dict(architectures=["MixtralForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2, rms_norm_eps=1e-5)
+
+
+def test_moe_step_parts():
+    """Routed experts' GEMMs run at the FLOP rate of their own rows (tokens x k / experts hit), each expert hit
+    costs the device's `expert_us`, and under EP the MoE layers' all-reduces give way to all-to-alls and
+    all-gathers, each paying its hops' latency."""
+    arch = ArchConfig.from_hf(MIXTRAL)
+    curve = dataclasses.replace(CLUSTER.device, gemm_tflops={1: 0.01, 1024: 1.0}, mem_bw_gbps=1e9)
+    cost = ModelCost(arch, Layout())
+    s = cost.step(0, 64, 64, 100, 2)
+    hit = 4 * (1 - (1 - 2 / 4) ** 64)
+    assert s["experts_hit"] == pytest.approx(2 * hit) and s["expert_rows"] == pytest.approx(64 * 2 / hit)
+    assert s["expert_flops"] == pytest.approx(2 * 2 * 64 * 2 * 3 * 64 * 96)  # layers x 2 x rows x params
+    dev = Predictor(arch, Cluster(1, 1, curve))
+    step = dev.step_time(Layout(), 64, 64, 100)
+    want = (s["flops"] - s["expert_flops"]) / curve.flop_rate(64) + s["expert_flops"] / curve.flop_rate(32)
+    attn = s["attn_flops"] / curve.flop_rate(64)
+    assert step["compute"] == pytest.approx(want + attn)
+    per_hit = Predictor(arch, Cluster(1, 1, dataclasses.replace(curve, expert_us=100.0))).step_time(Layout(), 64, 64, 100)
+    assert per_hit["time"] - step["time"] == pytest.approx(s["experts_hit"] * 100e-6)
+    # tp2 with and without EP over a link of 1 ms a hop and endless bandwidth: the hops, counted by hand
+    link = Cluster(1, 2, CLUSTER.device, intra_node=Link(1e12, 1000.0))
+    plain = Predictor(arch, link).step_time(Layout(tp=2), 8, 8, 100)["comm"]
+    ep = Predictor(arch, link).step_time(Layout(tp=2, ep=True), 8, 8, 100)["comm"]
+    # all-reduces of 2 hops: the embedding, after attention x 2 layers, after the MLP x 2 (not under EP);
+    # all-gathers of 1 hop: the LM head, and under EP one per MoE layer; all-to-alls (EP): 2 per MoE layer
+    assert plain == pytest.approx(((1 + 2 + 2) * 2 + 1) * 1e-3, rel=1e-6)
+    assert ep == pytest.approx(((1 + 2) * 2 + (1 + 2) + 2 * 2) * 1e-3, rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek-v3", "gemma2"])
