@@ -176,14 +176,16 @@ class FusedMoE(nn.Module):
             h = act(linear(recv[sel], w13[slot]))
             out_rows[sel] = linear(h, w2[slot]) * r_w[sel, None]
         back = all_to_all(out_rows, recv_counts, send_counts, ps)
-        # combine: each token's rows summed in ascending expert order (as the single-rank kernel does)
-        y_rows = torch.zeros(shard * k, x.shape[1], dtype=x.dtype, device=x.device)
-        y_rows[order] = back
+        # combine: each token's rows summed in ascending expert order (as the single-rank kernel does): a returned
+        # row (token t, choice j) lands at t * k + (the rank of its expert among t's choices), whole rows at once
         my_ids = ids[lo:lo + shard]
-        by_expert = torch.argsort(my_ids, dim=1, stable=True)
-        y_rows = y_rows.view(shard, k, -1).gather(1, by_expert[:, :, None].expand(-1, -1, x.shape[1]))
-        y = torch.zeros(shard, x.shape[1], dtype=x.dtype, device=x.device)
-        for j in range(k):
+        rank_in_token = torch.argsort(torch.argsort(my_ids, dim=1, stable=True), dim=1)
+        place = (torch.arange(shard, device=x.device)[:, None] * k + rank_in_token).flatten()
+        y_rows = torch.zeros(shard * k, x.shape[1], dtype=x.dtype, device=x.device)
+        y_rows[place[order]] = back
+        y_rows = y_rows.view(shard, k, -1)
+        y = y_rows[:, 0]
+        for j in range(1, k):
             y = y + y_rows[:, j]
         if ps.sp:
             return y
