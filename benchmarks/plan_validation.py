@@ -7,7 +7,8 @@ Mixtral-shaped MoE (8 experts, top 2) on one device, tp2 and tp2 with expert par
 ranks: more than this machine's two cores. The device is probed first (`rivulet.plan.probe`, with that many
 threads), then the engine runs: TPOT = the median decode step of a batch once every prompt is in, TTFT = the
 median prefill of one prompt to its first token (of 5); with two ranks also the bytes rank 0 puts into collectives per decode
-step. The planner predicts the same. Writes a markdown table and JSON.
+step. The planner predicts the same. Everything (probes and runs) is done `--passes` times (3) and each row is the
+median of its passes, its measured values beside it. Writes a markdown table and JSON.
 
     .venv/bin/python benchmarks/plan_validation.py [--out benchmarks/results/plan_validation.json]
 """
@@ -107,60 +108,80 @@ def measure(model: str, kwargs: dict[str, Any], batch: int) -> dict[str, float]:
     return out
 
 
+def one_pass(models: list[str], batches: list[int], tmp: str) -> list[dict[str, Any]]:
+    """Probe the device (per thread count) and measure every row once; the rows, device rows first."""
+    cores = torch.get_num_threads()
+    probes: dict[int, Device] = {}
+    rows: list[dict[str, Any]] = []
+    for model, name, layout, kwargs in RUNS:
+        if model not in models:
+            continue
+        path = model
+        if model in SHAPES:
+            path = str(Path(tmp) / model)
+            if not Path(path).exists():
+                write_model(model, Path(path))
+        devices = layout.devices
+        threads = max(1, cores // devices)
+        if threads not in probes:
+            torch.set_num_threads(threads)
+            probes[threads] = probe(write=False)
+            torch.set_num_threads(cores)
+            rows.append({"layout": f"{threads} thread(s)", "what": "device", **probes[threads].__dict__})
+        device = probes[threads]
+        link = Link(device.link_gbps or 1.0, device.link_latency_us if device.link_latency_us is not None else 500.0)
+        predictor = Predictor(ArchConfig.from_hf(model_config(path)), Cluster(1, devices, device, intra_node=link))
+        for batch in batches:
+            got = measure(path, kwargs, batch)
+            step = predictor.step_time(layout, batch, batch, IN + OUT / 2)
+            row = {"model": model, "layout": name, "what": f"TPOT (decode step), batch {batch}",
+                   "predicted_ms": step["time"] * 1e3, "measured_ms": got["decode"] * 1e3}
+            if "comm_bytes" in got:  # rank 0's: the first stage's payloads
+                rank0 = ModelCost(predictor.arch, layout).step(0, batch, batch, IN + OUT / 2, 2)
+                predicted = sum(v for k, v in rank0.items() if k in ("all_reduce", "all_gather", "all_to_all", "send"))
+                row |= {"predicted_comm_bytes": predicted, "measured_comm_bytes": got["comm_bytes"]}
+            rows.append(row)
+            if batch == 1:
+                first = predictor.step_time(layout, IN, 1, IN / 2)["time"]
+                rows.append({"model": model, "layout": name, "what": f"TTFT (prefill of {IN} tokens)",
+                             "predicted_ms": first * 1e3, "measured_ms": got["prefill"] * 1e3})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/plan_validation.json")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--models", default="default,llama-8h,mixtral-8e")
+    ap.add_argument("--passes", type=int, default=3,
+                    help="probe and measure everything this many times; a row is the median of its passes "
+                         "(this VM's speed moves 10-40%% for seconds at a time)")
     a = ap.parse_args()
-    cores = torch.get_num_threads()
-    probes: dict[int, Device] = {}
-    rows: list[dict[str, Any]] = []
+    passes = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model, name, layout, kwargs in RUNS:
-            if model not in a.models.split(","):
-                continue
-            path = model
-            if model in SHAPES:
-                path = str(Path(tmp) / model)
-                if not Path(path).exists():
-                    write_model(model, Path(path))
-            devices = layout.devices
-            threads = max(1, cores // devices)
-            if threads not in probes:
-                torch.set_num_threads(threads)
-                probes[threads] = probe(write=False)
-                torch.set_num_threads(cores)
-                rows.append({"layout": f"{threads} thread(s)", "what": "device", **probes[threads].__dict__})
-            device = probes[threads]
-            link = Link(device.link_gbps or 1.0, device.link_latency_us if device.link_latency_us is not None else 500.0)
-            predictor = Predictor(ArchConfig.from_hf(model_config(path)), Cluster(1, devices, device, intra_node=link))
-            for batch in [int(b) for b in a.batches.split(",")]:
-                got = measure(path, kwargs, batch)
-                step = predictor.step_time(layout, batch, batch, IN + OUT / 2)
-                row = {"model": model, "layout": name, "what": f"TPOT (decode step), batch {batch}",
-                       "predicted_ms": step["time"] * 1e3, "measured_ms": got["decode"] * 1e3}
-                if "comm_bytes" in got:  # rank 0's: the first stage's payloads
-                    rank0 = ModelCost(predictor.arch, layout).step(0, batch, batch, IN + OUT / 2, 2)
-                    predicted = sum(v for k, v in rank0.items() if k in ("all_reduce", "all_gather", "all_to_all", "send"))
-                    row |= {"predicted_comm_bytes": predicted, "measured_comm_bytes": got["comm_bytes"]}
-                rows.append(row)
-                if batch == 1:
-                    first = predictor.step_time(layout, IN, 1, IN / 2)["time"]
-                    rows.append({"model": model, "layout": name, "what": f"TTFT (prefill of {IN} tokens)",
-                                 "predicted_ms": first * 1e3, "measured_ms": got["prefill"] * 1e3})
-    print("| model | layout | measure | predicted ms | measured ms | error | comm bytes/step predicted / measured |")
+        for _ in range(a.passes):
+            passes.append(one_pass(a.models.split(","), [int(b) for b in a.batches.split(",")], tmp))
+    rows = [r for r in passes[0] if r["what"] == "device"] + [r for p in passes[1:] for r in p if r["what"] == "device"]
+    print("| model | layout | measure | predicted ms | measured ms (passes) | error | comm bytes/step predicted / measured |")
     print("|---|---|---|---:|---:|---:|---|")
-    for r in rows:
-        if "predicted_ms" in r:
-            r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
-            comm = (f"{r['predicted_comm_bytes']:.0f} / {r['measured_comm_bytes']:.0f}"
-                    if "measured_comm_bytes" in r else "-")
-            print(f"| {r['model']} | {r['layout']} | {r['what']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
-                  f"{r['error']:+.0%} | {comm} |")
+    for i, r in enumerate(passes[0]):
+        if r["what"] == "device":
+            continue
+        same = [p[i] for p in passes]
+        r = {**r, "predicted_ms": statistics.median(x["predicted_ms"] for x in same),
+             "measured_ms": statistics.median(x["measured_ms"] for x in same),
+             "passes": [{"predicted_ms": x["predicted_ms"], "measured_ms": x["measured_ms"]} for x in same]}
+        r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
+        rows.append(r)
+        comm = (f"{r['predicted_comm_bytes']:.0f} / {r['measured_comm_bytes']:.0f}" if "measured_comm_bytes" in r else "-")
+        spread = "/".join(f"{x['measured_ms']:.1f}" for x in same)
+        print(f"| {r['model']} | {r['layout']} | {r['what']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} ({spread}) | "
+              f"{r['error']:+.0%} | {comm} |")
+    inside = sum(abs(r["error"]) <= 0.25 for r in rows if "error" in r)
+    print(f"{inside} of {sum('error' in r for r in rows)} rows within 25%")
     with open(a.out, "w") as f:
-        json.dump({"benchmark": "plan_validation", "input_len": IN, "output_len": OUT, **machine_info(), "rows": rows},
-                  f, indent=1)
+        json.dump({"benchmark": "plan_validation", "input_len": IN, "output_len": OUT, "passes": a.passes,
+                   **machine_info(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ class Device:
     attn_prefill_tflops: float | None = None
     act_gbps: float | None = None  # measured: element-wise kernels on activations (else the memory bandwidth reached)
     expert_us: float = 0.0  # per routed expert hit and step beyond its GEMMs: its rows gathered, weighted, added back
+    moe_layer_us: float = 0.0  # per MoE layer and step beyond a dense layer's and its experts': routing, counting
+    ep_layer_us: float = 0.0  # per MoE layer and step under EP beyond its experts and collectives: rows grouped by rank
+    ep_row_us: float = 0.0  # ... and per (token, expert) row the busiest rank computes
 
     def flop_rate(self, rows: int, fp8: bool = False) -> float:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak

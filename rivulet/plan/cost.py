@@ -129,7 +129,7 @@ class ModelCost:
         a, tp, lay = self.a, self.lay.tp, self.lay
         h = a.hidden_size
         layers = self.stage_layers(stage)
-        flops = attn_flops = expert_flops = read = hits = 0.0
+        flops = attn_flops = expert_flops = read = hits = ep_rows = 0.0
         moe_layers = 0
         expert_rows = tokens
         # activation elements per token and layer that the element-wise kernels read and write: two residual adds
@@ -158,6 +158,7 @@ class ModelCost:
                     read += hit * self.expert / tp * weight_bytes
                 expert_rows = max(1.0, rows / max(hit, 1e-9))  # each expert's GEMMs see only its rows
                 hits += hit
+                ep_rows += rows if lay.ep else 0.0
                 # per routed row: SiLU-and-mul, its input gathered and its output weighted and added back
                 act += rows / tokens * (3 * a.moe_intermediate_size / (1 if lay.ep else tp) + 2 * h) + \
                     self.shared / h / tp  # the shared experts' SiLU-and-mul: 3 x their width
@@ -176,7 +177,7 @@ class ModelCost:
         # the logits: this rank's bf16 shard, then the sampler's float32 copy of all, written and read
         logits = sampled * a.vocab_size * (act_bytes / tp + 8) if last else 0.0
         return {"flops": flops + expert_flops, "expert_flops": expert_flops, "expert_rows": expert_rows,
-                "experts_hit": hits, "act_bytes": tokens * act * act_bytes + logits,
+                "experts_hit": hits, "ep_rows": ep_rows, "moe_layers": moe_layers, "act_bytes": tokens * act * act_bytes + logits,
                 "attn_flops": attn_flops, "weight_bytes": read, "kv_bytes": kv_read,
                 "gemm_calls": self.gemm_calls(stage, tokens),
                 **self.comm(stage, tokens, sampled, moe_layers, act_bytes)}

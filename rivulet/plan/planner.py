@@ -108,7 +108,8 @@ class Predictor:
         memory = (gemm_memory if gemm_memory > gemm_compute else 0.0) + (attn_memory if attn_memory > attn_compute else 0.0)
         memory += s["act_bytes"] / (d.act_gbps * 1e9 if d.act_gbps else bw)  # the element-wise kernels
         launches = (len(cost.stage_layers(stage)) * d.layer_overhead_ms * 1e-3 + s["gemm_calls"] * d.gemm_call_us * 1e-6
-                    + s["experts_hit"] * d.expert_us * 1e-6)
+                    + s["experts_hit"] * d.expert_us * 1e-6 + s["moe_layers"] * (d.moe_layer_us + lay.ep * d.ep_layer_us) * 1e-6
+                    + s["ep_rows"] * d.ep_row_us * 1e-6)
         comm = 0.0
         tp_link = c.link(lay.tp)
         for kind, payload in s.items():

@@ -74,15 +74,24 @@ def probe(write: bool = True) -> Device:
     step, layer, seq = _step_overhead_ms()
     memory = current_platform().free_memory_bytes() / 1e9
     latency_us, tp_ms = _tp_overheads()
-    gbps = _link_gbps()
+    gbps, ep_rest = _two_ranks()
     attn_decode, attn_prefill = _attention_tflops()
     with torch.inference_mode():
         act = _activation_gbps()
-        expert = max(0.0, _expert_us() - 2 * call_s * 1e6)  # the GEMM calls' own fixed cost is counted per call
+        expert_rest = _expert_us()
+    expert = max(0.0, expert_rest - 2 * call_s * 1e6)  # the GEMM calls' own fixed cost is counted per call
+    # beyond what the planner counts for a MoE layer over a dense one: a router and 2 x 2 expert GEMM calls for
+    # the MLP's 2, and the two experts hit
+    moe_layer = max(0.0, _moe_layer_ms() * 1e3 - 3 * call_s * 1e6 - 2 * expert)
+    # EP's bookkeeping at 32 and 128 tokens (16 and 64 rows a rank, top 2 over two ranks): a part per row, the rest
+    # per layer once the experts' own share (counted per expert hit) is out
+    (r32, hits32), (r128, _) = ep_rest[32], ep_rest[128]
+    ep_row = max(0.0, (r128 - r32) / (64 - 16))
+    ep_layer = max(0.0, r32 - hits32 * expert_rest - 16 * ep_row)
     dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
                  round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3),
                  round(tp_ms, 3), round(latency_us, 1), round(gbps, 3), round(attn_decode, 4), round(attn_prefill, 4),
-                 round(act, 2), round(expert, 2))
+                 round(act, 2), round(expert, 2), round(moe_layer, 2), round(ep_layer, 2), round(ep_row, 3))
     if write:
         path = probe_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +107,15 @@ def _step_overhead_ms() -> tuple[float, float, float]:
     layer = max(0.0, (per_step[9, 1] - per_step[1, 1]) / 8)
     seq = max(0.0, (per_step[1, 32] - per_step[1, 1]) / 31)
     return max(0.0, per_step[1, 1] - layer - seq), layer, seq
+
+
+def _moe_layer_ms() -> float:
+    """ms per step that a MoE layer (8 experts, top 2: two hit at one sequence) costs beyond a dense layer, in the
+    engine: the 64-wide models of 1 and 9 layers with MoE MLPs against the dense ones, one sequence (the router,
+    its softmax and top-k, choosing and counting the experts, each expert's small ops, beside the GEMMs)."""
+    moe = (_per_step_ms(9, experts=8) - _per_step_ms(1, experts=8)) / 8
+    dense = (_per_step_ms(9) - _per_step_ms(1)) / 8
+    return moe - dense
 
 
 def _stage_overhead_ms() -> float:
@@ -206,10 +224,11 @@ def _attention_tflops() -> tuple[float, float]:
     return rate(decode, 256), rate([SeqChunk([1] * 128, 0, list(range(8)))], 64)
 
 
-def _link_gbps() -> float:
-    """GB/s of a two-rank all-reduce's payload between two processes here (the engine's, one thread each): the time of
-    16 MiB less that of 1 MiB, so the fixed latency cancels (at two ranks a ring all-reduce moves its payload
-    once: the planner's share 2 (tp - 1) / tp is 1)."""
+def _two_ranks() -> tuple[float, dict[int, tuple[float, int]]]:
+    """Two ranks in two processes here (one thread each): (GB/s of the engine's all-reduce payload: the time of
+    16 MiB less that of 1 MiB, so the fixed latency cancels; at two ranks a ring all-reduce moves its payload
+    once: the planner's share 2 (tp - 1) / tp is 1), and an expert-parallel MoE layer's µs beyond its GEMMs and
+    collectives, with the experts it ran, at 32 and 128 tokens (see `_ep_layer_rest`)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -219,7 +238,7 @@ def _link_gbps() -> float:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_all_reduce_times, args=(rank, port, out)) for rank in range(2)]
+    procs = [ctx.Process(target=_two_rank_times, args=(rank, port, out)) for rank in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -228,13 +247,14 @@ def _link_gbps() -> float:
             for q in procs:
                 q.kill()
             raise RuntimeError(f"the link probe's rank failed (exit code {p.exitcode})")
-    t1, t16 = out.get()
-    return (15 * 2**20 / (t16 - t1) if t16 > 1.5 * t1 else 16 * 2**20 / t16) / 1e9  # (noise: the whole of 16 MiB)
+    t1, t16, ep_rest = out.get()
+    gbps = (15 * 2**20 / (t16 - t1) if t16 > 1.5 * t1 else 16 * 2**20 / t16) / 1e9  # (noise: the whole of 16 MiB)
+    return gbps, ep_rest
 
 
-def _all_reduce_times(rank: int, port: int, out: Any) -> None:
-    """Rank `rank` of the link probe: median seconds of the engine's all-reduces (`tensor_parallel_all_reduce`:
-    through shared memory on one host) of 1 and 16 MiB of bf16 (rank 0 reports)."""
+def _two_rank_times(rank: int, port: int, out: Any) -> None:
+    """Rank `rank` of the two-rank probe: median seconds of the engine's all-reduces (`tensor_parallel_all_reduce`:
+    through shared memory on one host) of 1 and 16 MiB of bf16, and `_ep_layer_rest` (rank 0 reports)."""
     import torch
     import torch.distributed as dist
 
@@ -246,13 +266,69 @@ def _all_reduce_times(rank: int, port: int, out: Any) -> None:
     for mib in (1, 16):
         x = torch.ones(mib * 2**19, dtype=torch.bfloat16)
         times.append(_typical(lambda: tensor_parallel_all_reduce(x, state), 11))
+    with torch.inference_mode():  # the median of three rounds: these two-rank timings move a lot on a small host
+        rounds = [{t: _ep_layer_rest(state, t) for t in (32, 128)} for _ in range(3)]
+    rest = {t: (statistics.median(r[t][0] for r in rounds), rounds[0][t][1]) for t in (32, 128)}
     dist.destroy_process_group()
     if rank == 0:
-        out.put(tuple(times))
+        out.put((*times, rest))
 
 
-def _per_step_ms(layers: int, seqs: int = 1, **parallel: int) -> float:
-    """Median ms per decode step of `seqs` sequences on the 64-wide tiny model of `layers` layers."""
+def _ep_layer_rest(state: Any, tokens: int = 32) -> tuple[float, int]:
+    """(µs, experts run here) of Rivulet's MoE layer under expert parallelism over the two ranks (8 experts of
+    512 x 1024, top 2, 32 tokens) beyond the GEMMs of the rows this rank computes and its collectives of the same
+    sizes (two all-to-alls, the token shards' all-gather), each timed alone: choosing the rows, grouping them
+    by destination, the experts' gather and activation, the combine."""
+    import dataclasses
+
+    import torch
+
+    from rivulet.distributed import all_to_all, sequence_parallel_all_gather, set_parallel_state
+    from rivulet.kernels.ops import get_op
+    from rivulet.layers.moe import FusedMoE
+
+    e, k, h, i = 8, 2, 512, 1024
+    set_parallel_state(dataclasses.replace(state, expert_parallel=True))
+    torch.manual_seed(0)  # the same tokens and routing on both ranks
+    moe = FusedMoE(e, k, h, i, True)
+    moe.w13_weight.data = (torch.randn(e // 2, 2 * i, h) * 0.02).to(torch.bfloat16)
+    moe.w2_weight.data = (torch.randn(e // 2, h, i) * 0.02).to(torch.bfloat16)
+    packed = moe.pack_experts()
+    x, logits = torch.randn(tokens, h).to(torch.bfloat16), torch.randn(tokens, e)
+    ids = get_op("topk_routing")(logits, k, True)[1]
+    owner = ids // (e // 2)  # experts 0-3 on rank 0, 4-7 on rank 1
+    shard = tokens // 2
+    mine = owner[state.tp_rank * shard:(state.tp_rank + 1) * shard].flatten()
+    send = torch.bincount(mine, minlength=2).tolist()
+    recv = [int((owner[r * shard:(r + 1) * shard] == state.tp_rank).sum()) for r in range(2)]
+    rows = torch.bincount(ids[owner == state.tp_rank], minlength=e)[state.tp_rank * e // 2:(state.tp_rank + 1) * e // 2]
+    if packed:
+        linear, w13, w2 = get_op("packed_linear"), *moe.packed  # type: ignore[misc]
+    else:
+        linear, w13, w2 = (lambda a, w, b: torch.nn.functional.linear(a, w)), moe.w13_weight, moe.w2_weight
+    inputs = [(torch.randn(n, h).to(torch.bfloat16), torch.randn(n, i).to(torch.bfloat16), j)
+              for j, n in enumerate(rows.tolist()) if n]
+    sent, y = torch.randn(sum(send), h).to(torch.bfloat16), torch.randn(shard, h).to(torch.bfloat16)
+
+    def gemms() -> None:
+        for a, b, j in inputs:
+            linear(a, w13[j], None)
+            linear(b, w2[j], None)
+
+    def comm() -> None:
+        got = all_to_all(sent, send, recv, state)
+        all_to_all(got, recv, send, state)
+        sequence_parallel_all_gather(y, state, tokens)
+
+    layer = _typical(lambda: moe(x, logits), 21)
+    rest = layer - _typical(gemms, 21) - _typical(comm, 21)
+    set_parallel_state(state)
+    return rest * 1e6, len(inputs)
+
+
+def _per_step_ms(layers: int, seqs: int = 1, experts: int = 0, **parallel: int) -> float:
+    """Median ms per decode step of `seqs` sequences on the 64-wide tiny model of `layers` layers (MoE MLPs of
+    `experts` experts, top 2, when not 0)."""
     import tempfile
 
     import torch
@@ -262,7 +338,7 @@ def _per_step_ms(layers: int, seqs: int = 1, **parallel: int) -> float:
 
     threads = torch.get_num_threads()  # the probed device's: an engine takes every core the process may use
     with tempfile.TemporaryDirectory() as d:
-        _tiny_checkpoint(d, layers)
+        _tiny_checkpoint(d, layers, experts)
         llm = LLM(d, dtype="bfloat16", max_model_len=64, num_kv_blocks=256, max_num_seqs=seqs, **parallel)
         if not parallel:
             torch.set_num_threads(threads)
@@ -279,14 +355,15 @@ def _timed(llm: Any, params: Any, seqs: int) -> float:
     return time.perf_counter() - t
 
 
-def _tiny_checkpoint(path: str, layers: int) -> None:
+def _tiny_checkpoint(path: str, layers: int, experts: int = 0) -> None:
     import torch
     from safetensors.torch import save_file
 
     h, v = 64, 256
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": v, "hidden_size": h, "intermediate_size": 128,
-           "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
-           "max_position_embeddings": 64, "eos_token_id": 0}
+    cfg = {"architectures": ["MixtralForCausalLM" if experts else "LlamaForCausalLM"], "vocab_size": v,
+           "hidden_size": h, "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "max_position_embeddings": 64, "eos_token_id": 0,
+           **({"num_local_experts": experts, "num_experts_per_tok": 2} if experts else {})}
     g = torch.Generator().manual_seed(0)
     w = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
     for i in range(layers):
@@ -294,6 +371,13 @@ def _tiny_checkpoint(path: str, layers: int) -> None:
         w |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
               **{f"{p}.self_attn.{x}_proj.weight": (h, h) for x in "qkvo"},
               f"{p}.mlp.gate_proj.weight": (128, h), f"{p}.mlp.up_proj.weight": (128, h), f"{p}.mlp.down_proj.weight": (h, 128)}
+        if experts:  # the MLP becomes a router and `experts` experts of its shape
+            for m in ("gate", "up", "down"):
+                del w[f"{p}.mlp.{m}_proj.weight"]
+            w[f"{p}.block_sparse_moe.gate.weight"] = (experts, h)
+            for e in range(experts):
+                q = f"{p}.block_sparse_moe.experts.{e}"
+                w |= {f"{q}.w1.weight": (128, h), f"{q}.w3.weight": (128, h), f"{q}.w2.weight": (h, 128)}
     save_file({name: torch.randn(shape, generator=g) * 0.1 for name, shape in w.items()}, f"{path}/model.safetensors")
     with open(f"{path}/config.json", "w") as f:
         json.dump(cfg, f)
