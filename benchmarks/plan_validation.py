@@ -5,7 +5,7 @@ pins its ranks): the default model on one device and over two pipeline stages; r
 here whose shapes split in two, a Llama (8 heads) on one device and over two tensor-parallel ranks, and a
 Mixtral-shaped MoE (8 experts, top 2) on one device, tp2 and tp2 with expert parallelism. TP x PP needs four
 ranks: more than this machine's two cores. The device is probed first (`rivulet.plan.probe`, with that many
-threads), then the engine runs: TPOT = the median decode step of a batch once every prompt is in, TTFT = the
+threads, again before each model), then the engine runs: TPOT = the median decode step of a batch once every prompt is in, TTFT = the
 median prefill of one prompt to its first token (of 5); with two ranks also the bytes rank 0 puts into collectives per decode
 step. The planner predicts the same. Everything (probes and runs) is done `--passes` times (3) and each row is the
 median of its passes, its measured values beside it. Writes a markdown table and JSON.
@@ -109,9 +109,9 @@ def measure(model: str, kwargs: dict[str, Any], batch: int) -> dict[str, float]:
 
 
 def one_pass(models: list[str], batches: list[int], tmp: str) -> list[dict[str, Any]]:
-    """Probe the device (per thread count) and measure every row once; the rows, device rows first."""
+    """Probe the device (per model and thread count, just before its rows) and measure every row once."""
     cores = torch.get_num_threads()
-    probes: dict[int, Device] = {}
+    probes: dict[tuple[str, int], Device] = {}  # probed again for each model: the VM's speed drifts over minutes
     rows: list[dict[str, Any]] = []
     for model, name, layout, kwargs in RUNS:
         if model not in models:
@@ -123,12 +123,13 @@ def one_pass(models: list[str], batches: list[int], tmp: str) -> list[dict[str, 
                 write_model(model, Path(path))
         devices = layout.devices
         threads = max(1, cores // devices)
-        if threads not in probes:
+        if (model, threads) not in probes:
             torch.set_num_threads(threads)
-            probes[threads] = probe(write=False)
+            probes[model, threads] = probe(write=False)
             torch.set_num_threads(cores)
-            rows.append({"layout": f"{threads} thread(s)", "what": "device", **probes[threads].__dict__})
-        device = probes[threads]
+            rows.append({"layout": f"{threads} thread(s)", "what": "device", "before": model,
+                         **probes[model, threads].__dict__})
+        device = probes[model, threads]
         link = Link(device.link_gbps or 1.0, device.link_latency_us if device.link_latency_us is not None else 500.0)
         predictor = Predictor(ArchConfig.from_hf(model_config(path)), Cluster(1, devices, device, intra_node=link))
         for batch in batches:
@@ -179,9 +180,31 @@ def main() -> None:
               f"{r['error']:+.0%} | {comm} |")
     inside = sum(abs(r["error"]) <= 0.25 for r in rows if "error" in r)
     print(f"{inside} of {sum('error' in r for r in rows)} rows within 25%")
+    choices = choice_rows(rows)
+    for c in choices:
+        print(f"{c['model']}, {c['what']}: predicted best {c['predicted_best']}, measured best {c['measured_best']} "
+              f"(the predicted choice measures {c['penalty']:+.0%})")
     with open(a.out, "w") as f:
         json.dump({"benchmark": "plan_validation", "input_len": IN, "output_len": OUT, "passes": a.passes,
-                   **machine_info(), "rows": rows}, f, indent=1)
+                   **machine_info(), "rows": rows, "choices": choices}, f, indent=1)
+
+
+def choice_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and measure, the layout the planner would choose (the fastest predicted step) against the
+    fastest measured one, and how much slower the chosen one measured."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "error" in r:
+            groups.setdefault((r["model"], r["what"]), []).append(r)
+    out = []
+    for (model, what), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        chosen = min(rs, key=lambda r: r["predicted_ms"])
+        best = min(rs, key=lambda r: r["measured_ms"])
+        out.append({"model": model, "what": what, "predicted_best": chosen["layout"], "measured_best": best["layout"],
+                    "penalty": chosen["measured_ms"] / best["measured_ms"] - 1})
+    return out
 
 
 if __name__ == "__main__":

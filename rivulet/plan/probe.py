@@ -53,21 +53,24 @@ def probe(write: bool = True) -> Device:
     def mm(x: torch.Tensor) -> Callable[[], object]:
         return (lambda: linear(x, packed, None)) if packed is not None else (lambda: torch.nn.functional.linear(x, weight))
 
-    # 48 layer-sized weights (4 MiB each) streamed one call after another: what each call costs beyond its bytes
-    small = [pack(torch.randn(2048, 1024, dtype=dtype) * 0.02) if packed is not None else
-             torch.randn(2048, 1024, dtype=dtype) * 0.02 for _ in range(48)]
+    # 48 layer-sized weights (4 MiB each) streamed one call after another, and the same bytes in 12 calls (16 MiB
+    # each): what each call costs beyond its bytes, whatever the bandwidth of the moment
+    def weights(n_out: int, count: int) -> list[torch.Tensor]:
+        return [pack(w) if packed is not None else w
+                for w in (torch.randn(n_out, 1024, dtype=dtype) * 0.02 for _ in range(count))]
+    small, large = weights(2048, 48), weights(8192, 12)
     x_small = torch.randn(1, 1024, dtype=dtype)
 
-    def stream(x: torch.Tensor) -> Callable[[], None]:
+    def stream(x: torch.Tensor, ws: list[torch.Tensor] = small) -> Callable[[], None]:
         def run() -> None:
-            for w in small:
+            for w in ws:
                 linear(x, w, None) if packed is not None else torch.nn.functional.linear(x, w)
         return run
 
     with torch.inference_mode():
         decode = _typical(mm(torch.randn(1, k, dtype=dtype)), 20)
         bandwidth = weight.numel() * weight.element_size() / decode / 1e9
-        call_s = max(0.0, (_typical(stream(x_small), 5) - 48 * 2048 * 1024 * 2 / (bandwidth * 1e9)) / 48)
+        call_s = max(0.0, (_typical(stream(x_small), 7) - _typical(stream(x_small, large), 7)) / (48 - 12))
         # the FLOP rate by rows, the calls' fixed cost taken out (the planner adds it per call)
         curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _typical(stream(torch.randn(rows, 1024, dtype=dtype)), 3)
                                                                 - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
@@ -79,7 +82,7 @@ def probe(write: bool = True) -> Device:
     with torch.inference_mode():
         act = _activation_gbps()
         expert_rest = _expert_us()
-    expert = max(0.0, expert_rest - 2 * call_s * 1e6)  # the GEMM calls' own fixed cost is counted per call
+    expert = max(0.0, expert_rest)  # beyond the GEMMs as timed, their calls' fixed cost in it (the planner's too)
     # beyond what the planner counts for a MoE layer over a dense one: a router and 2 x 2 expert GEMM calls for
     # the MLP's 2, and the two experts hit
     moe_layer = max(0.0, _moe_layer_ms() * 1e3 - 3 * call_s * 1e6 - 2 * expert)

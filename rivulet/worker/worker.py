@@ -198,13 +198,19 @@ def main() -> None:
     rank, world_size, init_method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     config = EngineConfig.from_json(sys.stdin.read())
     worker = Worker(config, resolve_model(config.model.model), rank, world_size, init_method)
+    code = 0
     try:
         worker.serve_forever()
     except RuntimeError:  # rank 0 is gone: the collective failed
-        sys.exit(1)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # as multiprocessing's children end: torch's static destructors at interpreter exit aborted the process now and
+    # then ("terminate called without an active exception", SIGABRT) on a thread they found still running
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,15 @@ def test_moe_step_parts():
     assert step["compute"] == pytest.approx(want + attn)
     per_hit = Predictor(arch, Cluster(1, 1, dataclasses.replace(curve, expert_us=100.0))).step_time(Layout(), 64, 64, 100)
     assert per_hit["time"] - step["time"] == pytest.approx(s["experts_hit"] * 100e-6)
+    per_layer = Predictor(arch, Cluster(1, 1, dataclasses.replace(curve, moe_layer_us=100.0, ep_layer_us=1e6,
+                                                                  ep_row_us=1e6))).step_time(Layout(), 64, 64, 100)
+    assert per_layer["time"] - step["time"] == pytest.approx(2 * 100e-6)  # 2 MoE layers; no EP terms without EP
+    # under EP: per layer, and per row on the busiest rank (64 x 2 / 2 rows, times the imbalance, per layer)
+    ep_dev = Cluster(1, 2, dataclasses.replace(curve, ep_layer_us=100.0, ep_row_us=1.0))
+    base = Predictor(arch, Cluster(1, 2, curve)).step_time(Layout(tp=2, ep=True), 64, 64, 100)
+    got = Predictor(arch, ep_dev).step_time(Layout(tp=2, ep=True), 64, 64, 100)
+    rows = 64 * 2 / 2 * ModelCost(arch, Layout(tp=2, ep=True)).imbalance(64)
+    assert got["time"] - base["time"] == pytest.approx(2 * (100e-6 + rows * 1e-6))
     # tp2 with and without EP over a link of 1 ms a hop and endless bandwidth: the hops, counted by hand
     link = Cluster(1, 2, CLUSTER.device, intra_node=Link(1e12, 1000.0))
     plain = Predictor(arch, link).step_time(Layout(tp=2), 8, 8, 100)["comm"]
@@ -205,5 +214,7 @@ def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
     assert 0 <= dev.tp_overhead_ms < 1000 and 0 < dev.link_latency_us < 1e5  # so do two tensor-parallel ranks
     assert 0.001 < dev.link_gbps < 1000
     assert 0 < dev.attn_decode_tflops < dev.bf16_tflops * 10 and 0 < dev.attn_prefill_tflops < dev.bf16_tflops * 10
+    assert 0.1 < dev.act_gbps < 10_000  # element-wise kernels on activations
+    assert all(0 <= x < 10_000 for x in (dev.expert_us, dev.moe_layer_us, dev.ep_layer_us, dev.ep_row_us))
     cluster = Cluster.load(str(tmp_path / "c.yaml"))
     assert cluster.device == dev and cluster.intra_node == Link(dev.link_gbps, dev.link_latency_us)  # measured
