@@ -8,6 +8,9 @@ reached it, and reads the others' slots. Two sets of slots alternate, so one wai
 writes set s again only after every rank has published the op after the one that last used s, which they do
 only after reading it. Every rank sums the slots in rank order, so all ranks hold bit-identical results.
 
+Without pipeline parallelism the same segment carries rank 0's command to every rank each step (`broadcast`); a
+rank waiting longer than 50 ms naps between looks (0.2 ms, 1 ms after a second), so idle workers keep no core busy.
+
 Flags are plain 8-byte stores and loads: ordered as needed on x86-64 (stores are not reordered with stores,
 nor loads with loads), so the segment is used there only; elsewhere the collectives stay on gloo.
 A rank that dies mid-collective is noticed (its process is gone) and the waiting ranks raise, as gloo does.
@@ -30,18 +33,23 @@ import torch.distributed as dist
 SLOT_BYTES = 8 << 20  # per rank and set; larger tensors go in pieces
 _LINE = 64  # one cache line per rank's flag; a slot's header (the all-to-all's row counts) is whole lines too
 SPIN_S, TIMEOUT_S = 1e-3, 300.0  # spin this long before yielding the core; give up after this
+IDLE_S, NAP_S = 0.05, 2e-4  # waited this long, a rank is idle (a worker between requests): it naps between looks
 
 
 def usable(group: dist.ProcessGroup) -> bool:
     """Whether the ranks of `group` can share a segment: x86-64 Linux, gloo, every rank on this host (the
-    hostname and boot id agree; a one-time exchange, every rank of the group must call it)."""
+    hostname and boot id agree) and a core for each (the ranks' allowed cores together number at least the
+    ranks: a rank that spins while the one it waits for needs its core would slow both; gloo's waits sleep).
+    A one-time exchange: every rank of the group must call it."""
     ok = platform.machine().lower() in ("x86_64", "amd64") and Path("/dev/shm").is_dir()
     ok = ok and dist.get_backend(group) == "gloo" and os.environ.get("RIVULET_SHM_COLLECTIVES", "1") != "0"
     boot = Path("/proc/sys/kernel/random/boot_id")
-    me = (socket.gethostname(), boot.read_text().strip() if boot.is_file() else "", ok)
-    hosts: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, me, group=group)
-    return all(h == hosts[0] and h[2] for h in hosts)  # type: ignore[index]
+    host = (socket.gethostname(), boot.read_text().strip() if boot.is_file() else "")
+    me = (host, ok, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
+    ranks: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, me, group=group)
+    cores = {c for r in ranks for c in r[2]}  # type: ignore[index]
+    return all(r[0] == host and r[1] for r in ranks) and len(cores) >= len(ranks)  # type: ignore[index]
 
 
 class ShmGroup:
@@ -96,7 +104,10 @@ class ShmGroup:
             now = time.perf_counter()
             if now - start < SPIN_S:
                 continue
-            os.sched_yield()  # let whatever else this host runs have the core (and the GIL)
+            if now - start < IDLE_S:
+                os.sched_yield()  # let whatever else this host runs have the core (and the GIL)
+            else:  # no core kept busy by an idle rank; after a second, fewer wake-ups (the first step after: +1 ms)
+                time.sleep(NAP_S if now - start < 1.0 else 1e-3)
             if now > check:
                 check = now + 1.0
                 self._check_peers(now - start)
@@ -104,7 +115,7 @@ class ShmGroup:
     def _check_peers(self, waited: float) -> None:
         for r, pid in enumerate(self.pids):
             if not _alive(pid):
-                raise RuntimeError(f"tensor-parallel rank {r} (pid {pid}) is gone")
+                raise RuntimeError(f"rank {r} of the shared-memory group (pid {pid}) has exited")
         if waited > TIMEOUT_S:
             raise RuntimeError(f"a shared-memory collective waited {waited:.0f} s for its peers")
 
@@ -145,6 +156,12 @@ class ShmGroup:
                     if n > lo:
                         got[r][lo:min(n, lo + cap)].copy_(self._slot(seq, r)[self.header:self.header + min(cap, n - lo)])
         return [h[1:] for h in heads], got
+
+    def broadcast(self, data: bytes | None, src: int) -> bytes:
+        """Rank `src`'s bytes on every rank (the others pass None); every rank takes part in the op."""
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        _, got = self._exchange_all(payload, [])
+        return data if self.rank == src else got[src].numpy().tobytes()  # type: ignore[return-value]
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `x` (the same shape on each), in rank order."""

@@ -107,6 +107,8 @@ class RayExecutor(MultiprocExecutor):
                     pass
             dist.destroy_process_group()
         set_parallel_state(ParallelState())
+        if getattr(self, "worker", None) is not None:  # rank 0 ran in this process: give its threads and cores back
+            self.worker.cores_before.restore()
         if self.loops:
             try:
                 self.ray.wait(list(self.loops), num_returns=len(self.loops), timeout=10)

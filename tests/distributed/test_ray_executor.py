@@ -1,7 +1,9 @@
 """The Ray executor on a local Ray cluster: TP=2 gives exactly the single-rank greedy tokens, and a
-killed actor is reported. Ray is an optional extra of Rivulet and part of the test extra."""
+killed actor is reported; the caller's thread has its cores back after. Ray is an optional extra of Rivulet and part of the test extra."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import ray
@@ -18,6 +20,7 @@ def test_ray_tp2_equals_single_rank_and_dead_actor(tiny_model_dir):
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
     want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32", max_model_len=128)
             .generate(prompts, GREEDY, use_tqdm=False)]
+    cores = os.sched_getaffinity(0)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         llm = LLM(str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2,
@@ -33,5 +36,6 @@ def test_ray_tp2_equals_single_rank_and_dead_actor(tiny_model_dir):
                     llm.generate(prompts[0], GREEDY, use_tqdm=False)
         finally:
             llm.shutdown()
+        assert os.sched_getaffinity(0) == cores  # rank 0's thread, bound to its share, got its cores back
     finally:
         ray.shutdown()

@@ -129,8 +129,8 @@ def test_load_and_unload_while_requests_run(deployed: ServerProcess, tiny) -> No
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    def slow_tiny() -> httpx.Response:
-        return http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 64,
+    def slow_tiny() -> httpx.Response:  # long enough for a /metrics scrape to see it running on a busy machine
+        return http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 200,
                                                   "ignore_eos": True})
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -143,7 +143,7 @@ def test_load_and_unload_while_requests_run(deployed: ServerProcess, tiny) -> No
         deployed_wait_for_running(http, "tiny")
         unload = pool.submit(http.delete, "/v1/models/tiny")
         r = running.result()
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64  # finished, not cut
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200  # finished, not cut
         assert unload.result().json() == {"id": "tiny", "object": "model", "deleted": True}
         assert all(s.result() for s in streams)
     r = http.post("/v1/completions", json={"model": "tiny2", "prompt": [5, 17, 33, 2, 9], "max_tokens": 8,
