@@ -167,9 +167,10 @@ def tensor_parallel_reduce_scatter(x: torch.Tensor, state: ParallelState) -> tor
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
     x = x.contiguous()
     record("reduce_scatter", _nbytes(x), (n - 1) / n * _nbytes(x))
-    if state.shm is not None:  # every rank sums all the rows (a small host's segment: cheaper than a second op)
-        state.shm.all_reduce(x)
-        return sequence_shard(x, state).clone()
+    if state.shm is not None:  # every rank sums all the rows (a small host's segment: cheaper than a second op),
+        summed = x.clone()     # in a copy: the caller's tensor stays as it was, as with a reduce-scatter
+        state.shm.all_reduce(summed)
+        return sequence_shard(summed, state)
     out = x.new_empty(x.shape[0] // n, *x.shape[1:])
     _reduce_scatter_single(out, x, group=state.tp_group)
     return out
