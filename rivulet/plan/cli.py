@@ -21,6 +21,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="layouts to print")
     p.add_argument("--json", default=None, metavar="PATH", help="write {\"layouts\": [...]}, best first")
     p.add_argument("--probe", action="store_true", help="measure this machine as the device 'this-cpu' and exit")
+    p.add_argument("--probe-cores", type=int, default=None, metavar="N",
+                   help="with --probe: a device is N of this machine's cores (a cluster of its cores as devices: "
+                        "devices_per_node = cores / N); default all of them, one device")
 
 
 def model_config(model: str) -> dict[str, Any]:
@@ -52,10 +55,21 @@ def cmd_plan(a: argparse.Namespace) -> int:
         from rivulet.plan.probe import probe
         from rivulet.plan.cluster import probe_path
 
+        import os
+
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = cores if a.probe_cores is None else a.probe_cores
+        if not 1 <= n <= cores:
+            raise RivuletError(f"--probe-cores {n}: this process may use {cores} core(s)")
+        torch.set_num_threads(n)
         dev = probe()
         print(json.dumps(dev.__dict__))
         print(f"written to {probe_path()} (device: this-cpu)")
         return 0
+    if a.probe_cores is not None:
+        raise RivuletError("--probe-cores goes with --probe")
     if a.model is None or a.cluster is None:
         raise RivuletError("rivulet plan needs --model and --cluster (or --probe)")
     arch = ArchConfig.from_hf(model_config(a.model))

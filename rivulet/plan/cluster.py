@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,14 @@ class Device:
     moe_layer_us: float = 0.0  # per MoE layer and step beyond a dense layer's and its experts': routing, counting
     ep_layer_us: float = 0.0  # per MoE layer and step under EP beyond its experts and collectives: rows grouped by rank
     ep_row_us: float = 0.0  # ... and per (token, expert) row the busiest rank computes
+    # measured (this-cpu as slices of its cores): the kernel figures above (bandwidth, GEMM rates and call cost,
+    # attention, element-wise, expert) while every slice runs at once, as the ranks of a TP group do: they share
+    # the memory bus and the last-level cache (devices with memory of their own have no such entry)
+    busy: dict[str, Any] | None = None
+
+    def all_busy(self) -> Device:
+        """This device as it runs while every device of its node runs too."""
+        return replace(self, **self.busy, busy=None) if self.busy else self
 
     def flop_rate(self, rows: int, fp8: bool = False) -> float:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak
@@ -93,8 +101,9 @@ def this_cpu() -> Device:
     if not path.is_file():
         raise RivuletError(f"device 'this-cpu' is measured, not assumed: run `rivulet plan --probe` first ({path})")
     fields_ = json.loads(path.read_text())
-    if fields_.get("gemm_tflops"):
-        fields_["gemm_tflops"] = {int(r): t for r, t in fields_["gemm_tflops"].items()}
+    for figures in (fields_, fields_.get("busy") or {}):
+        if figures.get("gemm_tflops"):
+            figures["gemm_tflops"] = {int(r): t for r, t in figures["gemm_tflops"].items()}
     return Device(**fields_)
 
 

@@ -91,8 +91,14 @@ class Predictor:
 
     # ---- time of one step ----
 
+    def together(self, lay: Layout) -> bool:
+        """Whether the devices run at the same moment in a step: the ranks of a TP group, replicas, and pipeline
+        stages once micro-batches overlap them (one batch through the stages keeps one stage busy at a time)."""
+        return lay.tp > 1 or lay.dp > 1 or (lay.pp > 1 and self.micro_batches > 1)
+
     def _stage_time(self, cost: ModelCost, stage: int, tokens: int, sampled: int, context: float) -> dict[str, float]:
-        d, c, lay = self.cluster.device, self.cluster, cost.lay
+        c, lay = self.cluster, cost.lay
+        d = c.device.all_busy() if self.together(lay) else c.device  # slices of one CPU share its memory bus
         s = cost.step(stage, tokens, sampled, context, self.weight_bytes)
         # the GEMMs over the weights and the attention over the KV cache run one after the other: a roofline each
         bw = d.mem_bw_gbps * 1e9 * d.mem_efficiency

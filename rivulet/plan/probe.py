@@ -16,6 +16,7 @@ expert's GEMMs (`expert_us`). The efficiencies are 1: these are reached, not pea
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -25,8 +26,11 @@ from rivulet.plan.cluster import Device, probe_path
 GEMM_ROWS = (1, 4, 16, 64, 256)  # rows of the timed GEMMs: decode batches to prefill chunks
 
 
-def _typical(fn: Callable[[], object], repeat: int = 5) -> float:
-    """The median time of `repeat` calls after a warm-up: the planner predicts typical steps, not the best."""
+def _typical(fn: Callable[[], object], repeat: int = 5, pace: Lockstep | None = None) -> float:
+    """The median time of `repeat` calls after a warm-up: the planner predicts typical steps, not the best. With
+    `pace`, timed while the other slices of the cores run the same call (the all-busy probe)."""
+    if pace is not None:
+        return pace.time(fn, repeat)
     fn()
     times = []
     for _ in range(repeat):
@@ -36,13 +40,86 @@ def _typical(fn: Callable[[], object], repeat: int = 5) -> float:
     return statistics.median(times)
 
 
+class Lockstep:
+    """The slices of the all-busy probe: before each timing they all meet; slice 0 times its calls while the others
+    repeat the same call until it is done (so every timed call has company), then they meet again."""
+
+    def __init__(self, start: Any, stop: Any, done: Any, leader: bool) -> None:
+        self.start, self.stop, self.done, self.leader = start, stop, done, leader
+
+    def time(self, fn: Callable[[], object], repeat: int) -> float:
+        self.start.wait(BUSY_WAIT_S)
+        if self.leader:
+            t = _typical(fn, repeat)
+            self.done.value = 1
+        else:  # the time of its own calls, which nobody reads
+            calls, t0 = 0, time.perf_counter()
+            while calls == 0 or not self.done.value:
+                fn()
+                calls += 1
+            t = (time.perf_counter() - t0) / calls
+        self.stop.wait(BUSY_WAIT_S)
+        if self.leader:
+            self.done.value = 0  # every slice is past its loop; none passes the next start before slice 0
+        return t
+
+
 def probe(write: bool = True) -> Device:
+    """Measure this machine as a device of `torch.get_num_threads()` cores (all it may use, or a slice of them when a
+    cluster counts its cores as several devices) and, when that is a slice, also with every slice busy at once."""
     import torch
 
-    from rivulet.kernels.ops import get_op
     from rivulet.platforms import current_platform
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    alone = _kernel_figures()
+    busy = _all_busy(threads)
+    step, layer, seq = _step_overhead_ms()
+    slices = max(1, len(_allowed_cores()) // threads)
+    memory = current_platform().free_memory_bytes() / 1e9 / slices  # the slices share the host's memory
+    latency_us, tp_ms = _tp_overheads()
+    gbps, ep_rest = _two_ranks()
+    call_s, expert_rest = alone["gemm_call_us"] * 1e-6, alone["expert_us"]
+    expert = max(0.0, expert_rest)  # beyond the GEMMs as timed, their calls' fixed cost in it (the planner's too)
+    # beyond what the planner counts for a MoE layer over a dense one: a router and 2 x 2 expert GEMM calls for
+    # the MLP's 2, and the two experts hit
+    moe_layer = max(0.0, _moe_layer_ms() * 1e3 - 3 * call_s * 1e6 - 2 * expert)
+    # EP's bookkeeping at 32 and 128 tokens (16 and 64 rows a rank, top 2 over two ranks): a part per row, the rest
+    # per layer once the experts' own share (counted per expert hit) is out
+    (r32, hits32), (r128, _) = ep_rest[32], ep_rest[128]
+    ep_row = max(0.0, (r128 - r32) / (64 - 16))
+    ep_layer = max(0.0, r32 - hits32 * expert_rest - 16 * ep_row)
+    dev = Device("this-cpu", round(memory, 2), **_rounded(alone), fp8_tflops=None, mem_efficiency=1.0,
+                 compute_efficiency=1.0, step_overhead_ms=round(step, 3), layer_overhead_ms=round(layer, 4),
+                 seq_overhead_ms=round(seq, 4), stage_overhead_ms=round(_stage_overhead_ms(), 3),
+                 tp_overhead_ms=round(tp_ms, 3), link_latency_us=round(latency_us, 1), link_gbps=round(gbps, 3),
+                 moe_layer_us=round(moe_layer, 2), ep_layer_us=round(ep_layer, 2), ep_row_us=round(ep_row, 3),
+                 busy=_rounded(busy) if busy else None)
+    if write:
+        path = probe_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dev.__dict__, indent=2) + "\n")
+    return dev
+
+
+def _rounded(figures: dict[str, Any]) -> dict[str, Any]:
+    """`_kernel_figures` as Device fields (the expert's rest clamped at 0)."""
+    return {"mem_bw_gbps": round(figures["mem_bw_gbps"], 2), "bf16_tflops": max(figures["gemm_tflops"].values()),
+            "gemm_call_us": round(figures["gemm_call_us"], 2), "gemm_tflops": figures["gemm_tflops"],
+            "attn_decode_tflops": round(figures["attn_decode_tflops"], 4),
+            "attn_prefill_tflops": round(figures["attn_prefill_tflops"], 4), "act_gbps": round(figures["act_gbps"], 2),
+            "expert_us": round(max(0.0, figures["expert_us"]), 2)}
+
+
+def _kernel_figures(pace: Lockstep | None = None) -> dict[str, Any]:
+    """What the kernels reach on this process's cores: weight streaming (GB/s), a GEMM call's fixed cost (µs), the
+    FLOP rate by rows, attention, the element-wise kernels, a routed expert's rest (µs, unclamped). `pace`: timed
+    with every slice of the cores busy (`_all_busy`)."""
+    import torch
+
+    from rivulet.kernels.ops import get_op
+
     dtype = torch.bfloat16
     k, n = 4096, 16384  # a 128 MiB bf16 weight: well past the caches
     weight = torch.randn(n, k, dtype=dtype) * 0.02
@@ -68,38 +145,82 @@ def probe(write: bool = True) -> Device:
         return run
 
     with torch.inference_mode():
-        decode = _typical(mm(torch.randn(1, k, dtype=dtype)), 20)
-        bandwidth = weight.numel() * weight.element_size() / decode / 1e9
-        call_s = max(0.0, (_typical(stream(x_small), 7) - _typical(stream(x_small, large), 7)) / (48 - 12))
+        decode = _typical(mm(torch.randn(1, k, dtype=dtype)), 20, pace)
+        call_s = max(0.0, (_typical(stream(x_small), 7, pace) - _typical(stream(x_small, large), 7, pace)) / (48 - 12))
         # the FLOP rate by rows, the calls' fixed cost taken out (the planner adds it per call)
-        curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _typical(stream(torch.randn(rows, 1024, dtype=dtype)), 3)
-                                                                - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
-    step, layer, seq = _step_overhead_ms()
-    memory = current_platform().free_memory_bytes() / 1e9
-    latency_us, tp_ms = _tp_overheads()
-    gbps, ep_rest = _two_ranks()
-    attn_decode, attn_prefill = _attention_tflops()
-    with torch.inference_mode():
-        act = _activation_gbps()
-        expert_rest = _expert_us()
-    expert = max(0.0, expert_rest)  # beyond the GEMMs as timed, their calls' fixed cost in it (the planner's too)
-    # beyond what the planner counts for a MoE layer over a dense one: a router and 2 x 2 expert GEMM calls for
-    # the MLP's 2, and the two experts hit
-    moe_layer = max(0.0, _moe_layer_ms() * 1e3 - 3 * call_s * 1e6 - 2 * expert)
-    # EP's bookkeeping at 32 and 128 tokens (16 and 64 rows a rank, top 2 over two ranks): a part per row, the rest
-    # per layer once the experts' own share (counted per expert hit) is out
-    (r32, hits32), (r128, _) = ep_rest[32], ep_rest[128]
-    ep_row = max(0.0, (r128 - r32) / (64 - 16))
-    ep_layer = max(0.0, r32 - hits32 * expert_rest - 16 * ep_row)
-    dev = Device("this-cpu", round(memory, 2), round(bandwidth, 2), max(curve.values()), None, 1.0, 1.0, round(step, 3),
-                 round(layer, 4), round(seq, 4), round(call_s * 1e6, 2), curve, round(_stage_overhead_ms(), 3),
-                 round(tp_ms, 3), round(latency_us, 1), round(gbps, 3), round(attn_decode, 4), round(attn_prefill, 4),
-                 round(act, 2), round(expert, 2), round(moe_layer, 2), round(ep_layer, 2), round(ep_row, 3))
-    if write:
-        path = probe_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dev.__dict__, indent=2) + "\n")
-    return dev
+        curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _typical(
+            stream(torch.randn(rows, 1024, dtype=dtype)), 3, pace) - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
+        attn_decode, attn_prefill = _attention_tflops(pace)
+        act = _activation_gbps(pace)
+        expert_rest = _expert_us(pace)
+    return {"mem_bw_gbps": k * n * 2 / decode / 1e9, "gemm_call_us": call_s * 1e6, "gemm_tflops": curve,
+            "attn_decode_tflops": attn_decode, "attn_prefill_tflops": attn_prefill, "act_gbps": act,
+            "expert_us": expert_rest}
+
+
+BUSY_WAIT_S = 120.0  # the longest a slice waits for the others at a timing's start
+
+
+def _allowed_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def _all_busy(threads: int) -> dict[str, Any] | None:
+    """`_kernel_figures` of a device of `threads` cores while every other slice of this machine's cores runs the
+    same timings at the same moment (a process each, bound to its slice, as Rivulet binds its ranks): the memory
+    bus and the last-level cache are shared, so a tensor-parallel group's ranks, which run together, each stream
+    weights slower than one rank alone (here 25 against 39-45 GB/s a core). None when the device is the whole
+    machine."""
+    import threading
+
+    import torch.multiprocessing as mp
+
+    from rivulet.worker.worker import use_rank_threads
+
+    slices = len(_allowed_cores()) // threads
+    if slices < 2 or not hasattr(os, "sched_setaffinity"):
+        return None
+    ctx = mp.get_context("spawn")
+    start, stop, done, ready = ctx.Barrier(slices), ctx.Barrier(slices), ctx.Value("i", 0, lock=False), ctx.Semaphore(0)
+    procs = [ctx.Process(target=_busy_slice, args=(slices, rank, start, stop, done, ready), daemon=True)
+             for rank in range(1, slices)]
+    for p in procs:
+        p.start()
+    cores = use_rank_threads(slices, 0)
+    try:
+        started = 0
+        while started < len(procs):  # each slice up (a process that dies on the way is not waited for)
+            if ready.acquire(timeout=0.2):
+                started += 1
+            elif any(p.exitcode is not None for p in procs):
+                raise threading.BrokenBarrierError
+        return _kernel_figures(Lockstep(start, stop, done, leader=True))
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"the all-busy probe: a slice stopped or did not reach a timing within {BUSY_WAIT_S:.0f} s "
+                           f"(exit codes {[p.exitcode for p in procs]})") from None
+    finally:
+        cores.restore()
+        for p in procs:
+            p.join(BUSY_WAIT_S)
+            if p.is_alive():
+                p.kill()
+
+
+def _busy_slice(slices: int, rank: int, start: Any, stop: Any, done: Any, ready: Any) -> None:
+    """Slice `rank` of `_all_busy`: the same timings, in step with slice 0 (whose figures are kept)."""
+    import torch
+
+    from rivulet.worker.worker import use_rank_threads
+
+    use_rank_threads(slices, rank)
+    torch.manual_seed(0)
+    ready.release()
+    try:
+        _kernel_figures(Lockstep(start, stop, done, leader=False))
+    except Exception:
+        start.abort()
+        stop.abort()
+        raise
 
 
 def _step_overhead_ms() -> tuple[float, float, float]:
@@ -139,7 +260,7 @@ def _tp_overheads() -> tuple[float, float]:
     return latency_ms * 1e3, max(0.0, extra[1] - 7 * latency_ms)
 
 
-def _activation_gbps() -> float:
+def _activation_gbps(pace: Lockstep | None = None) -> float:
     """GB/s the element-wise kernels between the GEMMs reach on a step's activations: a residual add + RMSNorm
     (1024 wide) and a SiLU-and-mul (2 x 2816 wide) at 256 rows less at 16 (the calls' fixed cost cancels; the
     planner has it in the per-layer overhead), bytes read and written."""
@@ -157,10 +278,10 @@ def _activation_gbps() -> float:
         return lambda: (norm(x, res, weight, 1e-5), act(gate_up))
 
     per_row = (4 * h + 3 * i) * 2
-    return (256 - 16) * per_row / max(1e-9, _typical(ops(256), 21) - _typical(ops(16), 21)) / 1e9
+    return (256 - 16) * per_row / max(1e-9, _typical(ops(256), 21, pace) - _typical(ops(16), 21, pace)) / 1e9
 
 
-def _expert_us() -> float:
+def _expert_us(pace: Lockstep | None = None) -> float:
     """µs per routed expert a step hits, beyond its GEMMs: Rivulet's MoE layer (8 experts of 512 x 1024, top 2,
     the backend's packed weights) on 32 tokens, less the same GEMMs on the same rows alone, over the experts hit
     (choosing the rows, gathering them, the activation, weighting and adding them back)."""
@@ -187,14 +308,14 @@ def _expert_us() -> float:
         for a, b, j in inputs:
             linear(a, w13[j], None)
             linear(b, w2[j], None)
-    return (_typical(lambda: moe(x, logits), 21) - _typical(gemms, 21)) / len(inputs) * 1e6
+    return (_typical(lambda: moe(x, logits), 21, pace) - _typical(gemms, 21, pace)) / len(inputs) * 1e6
 
 
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_SIZE = 8, 4, 64  # the timed attention's shape
 ATTN_LAYERS = 8  # caches read in turn: 8 x 8 MiB for the decode batch, past a 32 MiB last-level cache
 
 
-def _attention_tflops() -> tuple[float, float]:
+def _attention_tflops(pace: Lockstep | None = None) -> tuple[float, float]:
     """FLOP/s (in TFLOP/s) the platform's attention reaches, counted as the planner counts it (2 x query tokens x
     context x heads x 2 x head size): 32 decode rows over 256 cached tokens each, and one 128-token prefill
     chunk from position 0 (causal: 64 tokens of context on average), bf16, over the paged cache, each call on
@@ -220,7 +341,7 @@ def _attention_tflops() -> tuple[float, float]:
             for cache in caches:
                 attend(q, cache, batch.meta, d ** -0.5)
         with torch.inference_mode():
-            t = _typical(layers, 5) / ATTN_LAYERS
+            t = _typical(layers, 5, pace) / ATTN_LAYERS
         return 2 * q.shape[0] * context * ATTN_HEADS * 2 * d / t / 1e12
 
     decode = [SeqChunk([1], 255, list(range(16 * i, 16 * i + 16))) for i in range(32)]

@@ -103,6 +103,25 @@ def test_pipeline_bubble_and_step_parts():
         (s["weight_bytes"] + s["kv_bytes"]) / 100e9, rel=1e-6)
 
 
+def test_devices_running_together_use_their_busy_figures():
+    """A device measured as a slice of a CPU carries its figures with every slice busy (`busy`): a TP group's
+    ranks, replicas and overlapping pipeline micro-batches run on them; one batch through pipeline stages (one
+    stage busy at a time) and a lone device keep the figures measured alone."""
+    arch = ArchConfig.from_hf(LLAMA)
+    shared = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, busy={"mem_bw_gbps": 25}))
+    assert shared.device.all_busy().mem_bw_gbps == 25 and shared.device.all_busy().busy is None
+    assert CLUSTER.device.all_busy() is CLUSTER.device  # nothing measured busy: the same device
+    for lay, micro, together in ((Layout(tp=2), 1, True), (Layout(dp=2), 1, True), (Layout(pp=2), 2, True),
+                                 (Layout(pp=2), 1, False), (Layout(), 1, False)):
+        alone = Predictor(arch, CLUSTER, micro_batches=micro).step_time(lay, 8, 8, 100)
+        got = Predictor(arch, shared, micro_batches=micro)
+        assert got.together(lay) == together
+        step = got.step_time(lay, 8, 8, 100)
+        # memory-bound decode: the memory term at 25 GB/s rather than 100
+        assert step["memory"] == pytest.approx(alone["memory"] * (4 if together else 1))
+        assert step["compute"] == alone["compute"] == 0
+
+
 MIXTRAL = dict(architectures=["MixtralForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=96,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                num_experts_per_tok=2, rms_norm_eps=1e-5)
@@ -218,3 +237,27 @@ def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
     assert all(0 <= x < 10_000 for x in (dev.expert_us, dev.moe_layer_us, dev.ep_layer_us, dev.ep_row_us))
     cluster = Cluster.load(str(tmp_path / "c.yaml"))
     assert cluster.device == dev and cluster.intra_node == Link(dev.link_gbps, dev.link_latency_us)  # measured
+    assert dev.busy is None  # a device of every core: nothing else runs beside it
+
+
+def test_a_slice_of_the_cores_is_also_measured_with_every_slice_busy():
+    """Each core a device: its kernel figures again while the other cores' slices run the same timings in step
+    (processes bound as Rivulet binds its ranks). Every figure is there and plausible; the calling thread gets
+    its cores and threads back."""
+    import os
+
+    import torch
+
+    from rivulet.plan.probe import _all_busy
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if len(cores) < 2:
+        pytest.skip("one core: no slices to keep busy")
+    assert _all_busy(len(cores)) is None  # one slice: the whole machine
+    busy = _all_busy(1)
+    assert os.sched_getaffinity(0) == cores and torch.get_num_threads() == threads
+    assert set(busy) == {"mem_bw_gbps", "gemm_call_us", "gemm_tflops", "attn_decode_tflops", "attn_prefill_tflops",
+                         "act_gbps", "expert_us"}
+    assert 0.5 < busy["mem_bw_gbps"] < 10_000 and 0.1 < busy["act_gbps"] < 10_000
+    assert all(0 < t < 100 for t in busy["gemm_tflops"].values()) and sorted(busy["gemm_tflops"]) == [1, 4, 16, 64, 256]
+    assert 0 < busy["attn_decode_tflops"] < 100 and 0 < busy["attn_prefill_tflops"] < 100
