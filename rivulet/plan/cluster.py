@@ -38,6 +38,7 @@ class Device:
     seq_overhead_ms: float = 0.0  # per sequence and step: scheduling, sampling, outputs
     gemm_call_us: float = 0.0  # per GEMM call beyond its bytes and FLOPs (thread sync, prefetch ramp)
     gemm_tflops: dict[int, float] | None = None  # measured: the FLOP rate a GEMM of that many rows reaches
+    gemm_call_us_rows: dict[int, float] | None = None  # measured: the call cost at that many rows (else gemm_call_us)
     stage_overhead_ms: float = 0.05  # per step and extra pipeline stage: the ranks' step messages, the hand-off
     tp_overhead_ms: float = 0.05  # per step of a tensor-parallel group: the other ranks' step messages and host work
     link_latency_us: float | None = None  # measured (this-cpu): one hop of a collective between this machine's ranks
@@ -63,16 +64,26 @@ class Device:
         """FLOP/s a step of `rows` tokens reaches: the measured curve (interpolated in log rows), else the peak
         times the compute efficiency."""
         if self.gemm_tflops and not fp8:
-            pts = sorted((int(r), t) for r, t in self.gemm_tflops.items())
-            if rows <= pts[0][0]:
-                return pts[0][1] * 1e12
-            for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
-                if rows <= r1:
-                    f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                    return (t0 + f * (t1 - t0)) * 1e12
-            return pts[-1][1] * 1e12
+            return _by_rows(self.gemm_tflops, rows) * 1e12
         peak = self.fp8_tflops if fp8 and self.fp8_tflops else self.bf16_tflops
         return peak * 1e12 * self.compute_efficiency
+
+    def call_s(self, rows: int) -> float:
+        """Seconds a GEMM call of `rows` rows costs beyond its bytes and FLOPs (with two threads here: ~0 at one
+        row, ~15-25 µs at 4-64, the threads' split and join of the work)."""
+        return (_by_rows(self.gemm_call_us_rows, rows) if self.gemm_call_us_rows else self.gemm_call_us) * 1e-6
+
+
+def _by_rows(curve: dict[int, float], rows: float) -> float:
+    """A measured curve by rows, interpolated in log rows (flat beyond its ends)."""
+    pts = sorted((int(r), v) for r, v in curve.items())
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    for (r0, v0), (r1, v1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+            return v0 + f * (v1 - v0)
+    return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,9 @@ def this_cpu() -> Device:
         raise RivuletError(f"device 'this-cpu' is measured, not assumed: run `rivulet plan --probe` first ({path})")
     fields_ = json.loads(path.read_text())
     for figures in (fields_, fields_.get("busy") or {}):
-        if figures.get("gemm_tflops"):
-            figures["gemm_tflops"] = {int(r): t for r, t in figures["gemm_tflops"].items()}
+        for curve in ("gemm_tflops", "gemm_call_us_rows"):
+            if figures.get(curve):
+                figures[curve] = {int(r): t for r, t in figures[curve].items()}
     return Device(**fields_)
 
 

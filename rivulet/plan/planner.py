@@ -113,7 +113,9 @@ class Predictor:
         compute += attn_compute if attn_compute >= attn_memory else 0.0
         memory = (gemm_memory if gemm_memory > gemm_compute else 0.0) + (attn_memory if attn_memory > attn_compute else 0.0)
         memory += s["act_bytes"] / (d.act_gbps * 1e9 if d.act_gbps else bw)  # the element-wise kernels
-        launches = (len(cost.stage_layers(stage)) * d.layer_overhead_ms * 1e-3 + s["gemm_calls"] * d.gemm_call_us * 1e-6
+        expert_calls = 2 * s["experts_hit"]  # at their own rows; the rest at the step's
+        launches = (len(cost.stage_layers(stage)) * d.layer_overhead_ms * 1e-3
+                    + max(0.0, s["gemm_calls"] - expert_calls) * d.call_s(tokens) + expert_calls * d.call_s(s["expert_rows"])
                     + s["experts_hit"] * d.expert_us * 1e-6 + s["moe_layers"] * (d.moe_layer_us + lay.ep * d.ep_layer_us) * 1e-6
                     + s["ep_rows"] * d.ep_row_us * 1e-6)
         comm = 0.0

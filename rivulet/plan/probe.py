@@ -107,6 +107,7 @@ def _rounded(figures: dict[str, Any]) -> dict[str, Any]:
     """`_kernel_figures` as Device fields (the expert's rest clamped at 0)."""
     return {"mem_bw_gbps": round(figures["mem_bw_gbps"], 2), "bf16_tflops": max(figures["gemm_tflops"].values()),
             "gemm_call_us": round(figures["gemm_call_us"], 2), "gemm_tflops": figures["gemm_tflops"],
+            "gemm_call_us_rows": figures["gemm_call_us_rows"],
             "attn_decode_tflops": round(figures["attn_decode_tflops"], 4),
             "attn_prefill_tflops": round(figures["attn_prefill_tflops"], 4), "act_gbps": round(figures["act_gbps"], 2),
             "expert_us": round(max(0.0, figures["expert_us"]), 2)}
@@ -136,7 +137,6 @@ def _kernel_figures(pace: Lockstep | None = None) -> dict[str, Any]:
         return [pack(w) if packed is not None else w
                 for w in (torch.randn(n_out, 1024, dtype=dtype) * 0.02 for _ in range(count))]
     small, large = weights(2048, 48), weights(8192, 12)
-    x_small = torch.randn(1, 1024, dtype=dtype)
 
     def stream(x: torch.Tensor, ws: list[torch.Tensor] = small) -> Callable[[], None]:
         def run() -> None:
@@ -146,14 +146,19 @@ def _kernel_figures(pace: Lockstep | None = None) -> dict[str, Any]:
 
     with torch.inference_mode():
         decode = _typical(mm(torch.randn(1, k, dtype=dtype)), 20, pace)
-        call_s = max(0.0, (_typical(stream(x_small), 7, pace) - _typical(stream(x_small, large), 7, pace)) / (48 - 12))
-        # the FLOP rate by rows, the calls' fixed cost taken out (the planner adds it per call)
-        curve = {rows: round(2 * rows * 48 * 1024 * 2048 / max(1e-9, _typical(
-            stream(torch.randn(rows, 1024, dtype=dtype)), 3, pace) - 48 * call_s) / 1e12, 4) for rows in GEMM_ROWS}
+        # by rows: the call cost (48 calls against the same FLOPs in 12) and the FLOP rate without it (the planner
+        # adds it per call); with several threads a call of a few rows pays their split and join (~20 µs here)
+        calls, curve = {}, {}
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, 1024, dtype=dtype)
+            t12 = _typical(stream(x, large), 7 if rows <= 16 else 3, pace)
+            calls[rows] = max(0.0, (_typical(stream(x), 7 if rows <= 16 else 3, pace) - t12) / (48 - 12))
+            curve[rows] = round(2 * rows * 48 * 1024 * 2048 / max(1e-9, t12 - 12 * calls[rows]) / 1e12, 4)
         attn_decode, attn_prefill = _attention_tflops(pace)
         act = _activation_gbps(pace)
         expert_rest = _expert_us(pace)
-    return {"mem_bw_gbps": k * n * 2 / decode / 1e9, "gemm_call_us": call_s * 1e6, "gemm_tflops": curve,
+    return {"mem_bw_gbps": k * n * 2 / decode / 1e9, "gemm_call_us": calls[1] * 1e6, "gemm_tflops": curve,
+            "gemm_call_us_rows": {rows: round(c * 1e6, 2) for rows, c in calls.items()},
             "attn_decode_tflops": attn_decode, "attn_prefill_tflops": attn_prefill, "act_gbps": act,
             "expert_us": expert_rest}
 

@@ -164,6 +164,24 @@ def test_moe_step_parts():
     assert ep == pytest.approx(((1 + 2) * 2 + (1 + 2) + 2 * 2) * 1e-3, rel=1e-6)
 
 
+def test_gemm_calls_cost_by_their_rows():
+    """A measured call cost by rows (interpolated in log rows, flat beyond the ends) replaces the single figure:
+    the step's GEMMs pay it at the step's rows, a routed expert's two at that expert's rows."""
+    dev = dataclasses.replace(CLUSTER.device, gemm_call_us=5.0, gemm_call_us_rows={1: 0.0, 16: 20.0, 256: 40.0})
+    assert dev.call_s(1) == 0 and dev.call_s(16) == pytest.approx(20e-6) and dev.call_s(4) == pytest.approx(10e-6)
+    assert dev.call_s(1024) == pytest.approx(40e-6) and dev.call_s(64) == pytest.approx(30e-6)
+    assert CLUSTER.device.call_s(16) == CLUSTER.device.gemm_call_us * 1e-6  # nothing by rows: the single figure
+    for cfg, tokens in ((LLAMA, 16), (MIXTRAL, 64)):
+        arch = ArchConfig.from_hf(cfg)
+        s = ModelCost(arch, Layout()).step(0, tokens, tokens, 100, 2)
+        base = Predictor(arch, CLUSTER).step_time(Layout(), tokens, tokens, 100)["time"]
+        got = Predictor(arch, dataclasses.replace(CLUSTER, device=dev)).step_time(Layout(), tokens, tokens, 100)["time"]
+        experts = 2 * s["experts_hit"]
+        want = (s["gemm_calls"] - experts) * dev.call_s(tokens) + experts * dev.call_s(s["expert_rows"])
+        assert got - base == pytest.approx(want - s["gemm_calls"] * CLUSTER.device.gemm_call_us * 1e-6)
+        assert s["gemm_calls"] == (4 * 4 + 1 if cfg is LLAMA else 2 * (2 + 1 + 2 * s["experts_hit"] / 2) + 1)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek-v3", "gemma2"])
 def test_every_layout_is_valid_and_fits_what_it_says(kind, tiny_model_dir):
     path, _ = tiny_model_dir(kind)
@@ -218,6 +236,10 @@ def test_plan_command_json_and_errors(tmp_path):
     assert bad.returncode == 2 and "unknown device 'tpu9'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     missing = _run("--model", str(tmp_path / "m.json"), "--cluster", str(tmp_path / "none.yaml"))
     assert missing.returncode == 2 and "cannot read the cluster file" in missing.stderr
+    for args, message in ((("--probe", "--probe-cores", "0"), "--probe-cores 0: this process may use"),
+                          (("--probe-cores", "1", "--model", "m", "--cluster", "c"), "--probe-cores goes with --probe")):
+        bad = _run(*args)
+        assert bad.returncode == 2 and message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_probe_measures_this_cpu_and_the_cluster_uses_it(tmp_path, monkeypatch):
@@ -256,8 +278,9 @@ def test_a_slice_of_the_cores_is_also_measured_with_every_slice_busy():
     assert _all_busy(len(cores)) is None  # one slice: the whole machine
     busy = _all_busy(1)
     assert os.sched_getaffinity(0) == cores and torch.get_num_threads() == threads
-    assert set(busy) == {"mem_bw_gbps", "gemm_call_us", "gemm_tflops", "attn_decode_tflops", "attn_prefill_tflops",
-                         "act_gbps", "expert_us"}
+    assert set(busy) == {"mem_bw_gbps", "gemm_call_us", "gemm_call_us_rows", "gemm_tflops", "attn_decode_tflops",
+                         "attn_prefill_tflops", "act_gbps", "expert_us"}
+    assert sorted(busy["gemm_call_us_rows"]) == [1, 4, 16, 64, 256] and all(0 <= c < 10_000 for c in busy["gemm_call_us_rows"].values())
     assert 0.5 < busy["mem_bw_gbps"] < 10_000 and 0.1 < busy["act_gbps"] < 10_000
     assert all(0 < t < 100 for t in busy["gemm_tflops"].values()) and sorted(busy["gemm_tflops"]) == [1, 4, 16, 64, 256]
     assert 0 < busy["attn_decode_tflops"] < 100 and 0 < busy["attn_prefill_tflops"] < 100
