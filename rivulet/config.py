@@ -47,7 +47,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     load_format: LoadFormat = "auto"
     seed: int = 0
-    enforce_eager: bool = False  # CUDA only: never replay CUDA graphs for decode steps
+    enforce_eager: bool = False  # every step layer by layer: no CUDA graphs (CUDA), no decode program (CPU)
     quantization: Quantization | None = None  # CPU weight-only int8/int4 (rivulet/layers/quantization.py)
     compilation_level: int = 0  # 0: eager; 1: torch.compile of the forward (rivulet/compilation/)
     task: Task = "generate"  # "embed": requests are pooled into embeddings (prefill only, no KV kept)

@@ -50,7 +50,8 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=_opt(
         "CPU: int8 (Q8_0-like) or int4 (Q4_1-like) weight copies for small-batch decode", choices=["int8", "int4"],
         flags=["--quantization", "-q"]))
-    enforce_eager: bool = field(default=False, metadata=_opt("CUDA: never replay CUDA graphs"))
+    enforce_eager: bool = field(default=False, metadata=_opt(
+        "every step layer by layer: no CUDA-graph replays (CUDA), no decode program (CPU)"))
     compilation_level: int = field(default=0, metadata=_opt(
         "0: run the model eagerly; 1: torch.compile it (inductor; compiled code cached in ~/.cache/rivulet)",
         choices=[0, 1], flags=["--compilation-level", "-O"]))

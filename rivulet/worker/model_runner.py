@@ -15,6 +15,7 @@ from rivulet.distributed import get_parallel_state
 from rivulet.layers.attention import Attention
 from rivulet.layers.pooler import finish_embedding, pool
 from rivulet.layers.sampler import Sampler, apply_token_bitmask, gather_logprobs
+from rivulet.models.decode_program import DecodeProgram, build_decode_program
 from rivulet.models.loader import ModelSource, load_model
 from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.pooling_params import PoolingParams
@@ -75,6 +76,10 @@ class ModelRunner:
                                 and self.platform.kernel_backend() == self.platform.attention_backend() == "triton"
                                 and get_parallel_state().world_size == 1)
         self.cuda_graphs: StepGraphs | None = None
+        # CPU: decode steps of a plain Llama decoder with int8/int4 weights as one native call (DecodeProgram)
+        self.use_decode_program = self.platform.name == "cpu" and not model_config.enforce_eager
+        self.decode_program: DecodeProgram | None = None
+        self.decode_program_skipped: str | None = None  # why the model has none
         self.speculative = speculative
         self.lora: LoRAManager | None = None
         if lora is not None:
@@ -82,7 +87,7 @@ class ModelRunner:
                 raise RivuletError("LoRA adapters run with --compilation-level 0 and without speculative decoding "
                                    "(for now)")
             self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
-            self.use_cuda_graphs = False  # the adapters' segments change from step to step
+            self.use_cuda_graphs = self.use_decode_program = False  # the adapters' segments change from step to step
         self.forward_fn = self.model  # the compiled forward at --compilation-level 1
         if model_config.compilation_level > 0:
             if get_parallel_state().world_size > 1:
@@ -143,6 +148,10 @@ class ModelRunner:
             self.kv_tier = KVTierWorker(self.kv_caches, host_slots, disk_dir, pin_memory=self.platform.name == "cuda")
         if self.use_cuda_graphs:
             self._capture_cuda_graphs()
+        if self.use_decode_program:
+            self.decode_program, self.decode_program_skipped = build_decode_program(self.model)
+            if self.decode_program is not None:
+                logger.info("decode steps of up to %d sequences run as one native call", self.decode_program.max_rows)
 
     # ---- CUDA graphs (CUDA only; everything else runs the model eagerly) ----
 
@@ -171,7 +180,12 @@ class ModelRunner:
         self.cuda_graphs = graphs
 
     def _run_model(self, batch: FlatBatch) -> torch.Tensor:
-        """Hidden states of the flat batch: a CUDA-graph replay for uniform steps that fit one."""
+        """Hidden states of the flat batch: a CUDA-graph replay for uniform steps that fit one, on CPUs the
+        decode program for small decode steps, else the model's forward."""
+        if self.decode_program is not None:
+            hidden = self.decode_program.run(batch.input_ids, batch.positions, batch.meta, batch.layout)
+            if hidden is not None:
+                return hidden
         return hidden_states(self.cuda_graphs, self.forward_fn, batch)
 
     # ---- one step ----

@@ -13,139 +13,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
-
-template <typename T> inline float f32(T v) { return static_cast<float>(v); }
-
-#ifdef __AVX512F__
-// 16 lanes of float from float or bf16 memory; lanes outside `mask` are zero.
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-// v rounded to T (round to nearest even for bf16, as a float), and stored as T.
-inline __m512 round_to(float, __m512 v) { return v; }
-inline __m512 round_to(at::BFloat16, __m512 v) {
-  __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {  // v already rounded
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-#endif
-
-// sum_d q[d] * k[d], q in float.
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = tail_mask(D - d);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), load16(k + d, m), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float acc = 0.f;
-  for (int64_t d = 0; d < D; ++d) acc += q[d] * f32(k[d]);
-  return acc;
-#endif
-}
-
-// sum_d p[d] * q[d] of two vectors of one dtype, in float.
-template <typename T>
-inline float dot_same(const T* p, const T* q, int64_t D) {
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = tail_mask(D - d);
-    acc = _mm512_fmadd_ps(load16(p + d, m), load16(q + d, m), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float acc = 0.f;
-  for (int64_t d = 0; d < D; ++d) acc += f32(p[d]) * f32(q[d]);
-  return acc;
-#endif
-}
-
-// acc[d] += p * v[d], acc in float.
-template <typename T>
-inline void axpy(float* acc, float p, const T* v, int64_t D) {
-#ifdef __AVX512F__
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = tail_mask(D - d);
-    _mm512_mask_storeu_ps(acc + d, m, _mm512_fmadd_ps(pv, load16(v + d, m), _mm512_maskz_loadu_ps(m, acc + d)));
-  }
-#else
-  for (int64_t d = 0; d < D; ++d) acc[d] += p * f32(v[d]);
-#endif
-}
-
-template <typename F>
-void dispatch(const torch::Tensor& t, const char* name, F&& f) {
-  if (t.scalar_type() == torch::kFloat32) f(float{});
-  else if (t.scalar_type() == torch::kBFloat16) f(at::BFloat16{});
-  else TORCH_CHECK(false, name, ": float32 or bfloat16 expected, got ", t.scalar_type());
-}
-
-// out = weight * round_T(x * rsqrt(mean(x^2) + eps)); x already in float.
-template <typename T>
-inline void norm_row(const float* x, const T* w, T* out, int64_t H, float eps) {
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < H; i += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(H - i), x + i);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-  }
-  const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / H + eps);
-  const __m512 rv = _mm512_set1_ps(r);
-  for (int64_t i = 0; i < H; i += 16) {
-    const __mmask16 m = tail_mask(H - i);
-    const __m512 n = round_to(T{}, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv));
-    store16(out + i, round_to(T{}, _mm512_mul_ps(load16(w + i, m), n)), m);
-  }
-#else
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / H + eps);
-  for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(x[i] * r)));
-#endif
-}
-
-// buf = float(x), or with a residual: res = round_T(x + residual) and buf = float(res).
-template <typename T>
-inline void load_row(const T* x, const T* residual, T* res, float* buf, int64_t H) {
-#ifdef __AVX512F__
-  for (int64_t i = 0; i < H; i += 16) {
-    const __mmask16 m = tail_mask(H - i);
-    __m512 v = load16(x + i, m);
-    if (residual != nullptr) {
-      v = round_to(T{}, _mm512_add_ps(v, load16(residual + i, m)));  // the reference adds in T
-      store16(res + i, v, m);
-    }
-    _mm512_mask_storeu_ps(buf + i, m, v);
-  }
-#else
-  for (int64_t i = 0; i < H; ++i) {
-    if (residual != nullptr) {
-      const T s = static_cast<T>(f32(x[i]) + f32(residual[i]));  // the reference adds in T
-      res[i] = s;
-      buf[i] = f32(s);
-    } else {
-      buf[i] = f32(x[i]);
-    }
-  }
-#endif
-}
-
-}  // namespace
+#include "rowwise.h"
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto xc = x.contiguous();
@@ -195,7 +63,7 @@ std::vector<torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q
   TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous(), "apply_rotary: float32 cache");
   auto pos = positions.to(torch::kLong).contiguous();
   auto qo = torch::empty(q.sizes(), q.options()), ko = torch::empty(k.sizes(), k.options());
-  const int64_t T = q.size(0), D = q.size(2), rot = cache.size(1), half = rot / 2;
+  const int64_t T = q.size(0), D = q.size(2), rot = cache.size(1);
   dispatch(q, "apply_rotary", [&](auto tag) {
     using TT = decltype(tag);
     const int64_t* pp = pos.data_ptr<int64_t>(); const float* cp = cache.data_ptr<float>();
@@ -203,36 +71,7 @@ std::vector<torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q
       const int64_t H = src.size(1);
       const TT* s0 = src.data_ptr<TT>() + t * src.stride(0);
       TT* d0 = dst.data_ptr<TT>() + t * dst.stride(0);
-      for (int64_t h = 0; h < H; ++h) {
-        const TT* s = s0 + h * src.stride(1); TT* d = d0 + h * D;
-#ifdef __AVX512F__
-        if (!interleaved) {  // neox pairs (i, i + half): 16 pairs per vector
-          for (int64_t i = 0; i < half; i += 16) {
-            const __mmask16 m = tail_mask(half - i);
-            const __m512 c = round_to(TT{}, _mm512_maskz_loadu_ps(m, cs + i));
-            const __m512 sn = round_to(TT{}, _mm512_maskz_loadu_ps(m, cs + half + i));
-            const __m512 x1 = load16(s + i, m), x2 = load16(s + half + i, m);
-            const __m512 p1 = round_to(TT{}, _mm512_mul_ps(x1, c)), p2 = round_to(TT{}, _mm512_mul_ps(x2, sn));
-            const __m512 p3 = round_to(TT{}, _mm512_mul_ps(x2, c)), p4 = round_to(TT{}, _mm512_mul_ps(x1, sn));
-            store16(d + i, round_to(TT{}, _mm512_sub_ps(p1, p2)), m);
-            store16(d + half + i, round_to(TT{}, _mm512_add_ps(p3, p4)), m);
-          }
-          for (int64_t i = rot; i < D; ++i) d[i] = s[i];
-          continue;
-        }
-#endif
-        for (int64_t i = 0; i < half; ++i) {
-          // the reference rounds cos/sin to the activation dtype and each product to it too
-          const float c = f32(static_cast<TT>(cs[i])), sn = f32(static_cast<TT>(cs[half + i]));
-          const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-          const float x1 = f32(s[a]), x2 = f32(s[b]);
-          const float p1 = f32(static_cast<TT>(x1 * c)), p2 = f32(static_cast<TT>(x2 * sn));
-          const float p3 = f32(static_cast<TT>(x2 * c)), p4 = f32(static_cast<TT>(x1 * sn));
-          d[a] = static_cast<TT>(p1 - p2);
-          d[b] = static_cast<TT>(p3 + p4);
-        }
-        for (int64_t i = rot; i < D; ++i) d[i] = s[i];
-      }
+      for (int64_t h = 0; h < H; ++h) rotate_head<TT>(s0 + h * src.stride(1), d0 + h * D, cs, D, rot, interleaved);
     };
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -299,151 +138,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
 }
 
 #ifdef __AVX512F__
-namespace {
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-using simd::exp16;
-
-// The horizontal sums of a, b, c, d as one vector [sum a, sum b, sum c, sum d].
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128-bit lane
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  return _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v, 0), _mm512_extractf32x4_ps(v, 1)),
-                    _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
-}
-
-// In place: sc[0..n) -> softmax(sc), float32.
-inline void softmax_row(float* sc, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(tail_mask(n - j), sc + j));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = tail_mask(n - j);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
-    _mm512_mask_storeu_ps(sc + j, k, e);
-    sum = _mm512_mask_add_ps(sum, k, sum, e);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = tail_mask(n - j);
-    _mm512_mask_storeu_ps(sc + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + j), inv));
-  }
-}
-
-// The rows of the next page of a sequence, one per row computed of the current one: the pages of a
-// sequence lie anywhere in the cache, so the hardware prefetcher, which follows addresses, cannot
-// run ahead across them. Spread out (not a burst of 2 x 16 lines at a page's start, which fills the
-// core's line-fill buffers), each request has one page of compute (~150 ns) to arrive.
-template <typename TT, int NV>
-inline void prefetch_row(const TT* next_page, int64_t row, int64_t tok_stride) {
-  if (next_page == nullptr) return;
-  const char* p = reinterpret_cast<const char*>(next_page + row * tok_stride);
-  for (int64_t b = 0; b < int64_t(NV * 16 * sizeof(TT)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-
-template <typename TT>
-inline const TT* page_after(const TT* base, const int* table, int64_t t, int64_t L, int64_t bs, int64_t page_stride) {
-  const int64_t p = t / bs + 1;
-  return p * bs < L ? base + int64_t(table[p]) * page_stride : nullptr;
-}
-
-// One (sequence, kv head): the G query heads of the group [G, NV*16] (float) over context tokens
-// [start, L), read page by page in place, the next page prefetched while one is computed. Each key
-// and value row is loaded once for all G heads.
-template <typename TT, int NV>
-void decode_group(const float* q, int64_t G, const TT* keys, const TT* values, const int* table, int64_t start,
-                  int64_t L, int64_t bs, int64_t page_stride, int64_t tok_stride, float scale, float* sc, float* out) {
-  constexpr int64_t D = NV * 16;
-  const int64_t n = L - start;
-  for (int64_t t = start; t < L;) {  // scores, page by page
-    const int64_t off = t % bs, m = std::min(bs - off, L - t);
-    const TT* kp = keys + int64_t(table[t / bs]) * page_stride + off * tok_stride;
-    // the next key page, or during the last one the first value page (the value pass starts there)
-    const TT* kn = page_after(keys, table, t, L, bs, page_stride);
-    if (kn == nullptr) kn = values + int64_t(table[start / bs]) * page_stride;
-    int64_t j = 0;
-    for (; j + 4 <= m; j += 4, kp += 4 * tok_stride) {  // 4 tokens: their keys in float once, one 4-way reduction
-      alignas(64) float kf[4][D];
-      for (int r = 0; r < 4; ++r) {
-        prefetch_row<TT, NV>(kn, j + r, tok_stride);
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(kf[r] + 16 * v, load16(kp + r * tok_stride + 16 * v));
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 a[4];
-        for (int r = 0; r < 4; ++r) {
-          a[r] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), _mm512_load_ps(kf[r]));
-          for (int v = 1; v < NV; ++v)
-            a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * v), _mm512_load_ps(kf[r] + 16 * v), a[r]);
-        }
-        _mm_storeu_ps(sc + g * n + (t + j - start), _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
-      }
-    }
-    for (; j < m; ++j, kp += tok_stride) {
-      __m512 kv[NV];
-      for (int v = 0; v < NV; ++v) kv[v] = load16(kp + 16 * v);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
-        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * v), kv[v], a);
-        sc[g * n + (t + j - start)] = _mm512_reduce_add_ps(a) * scale;
-      }
-    }
-    t += m;
-  }
-  for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * n, n);
-  constexpr int64_t GB = 8;  // heads whose accumulators stay in registers while the values stream by
-  for (int64_t g0 = 0; g0 < G; g0 += GB) {
-    const int64_t gn = std::min(GB, G - g0);
-    __m512 acc[GB][NV];
-    for (int64_t g = 0; g < GB; ++g)
-      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
-    for (int64_t t = start; t < L;) {
-      const int64_t off = t % bs, m = std::min(bs - off, L - t);
-      const TT* vp = values + int64_t(table[t / bs]) * page_stride + off * tok_stride;
-      const TT* vn = g0 == 0 ? page_after(values, table, t, L, bs, page_stride) : nullptr;
-      for (int64_t j = 0; j < m; ++j, vp += tok_stride) {
-        prefetch_row<TT, NV>(vn, j, tok_stride);
-        __m512 vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = load16(vp + 16 * v);
-        const int64_t col = t + j - start;
-        for (int64_t g = 0; g < GB; ++g) {  // a fixed trip count keeps the accumulators in registers
-          if (g >= gn) break;
-          const __m512 p = _mm512_set1_ps(sc[(g0 + g) * n + col]);
-          for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
-        }
-      }
-      t += m;
-    }
-    for (int64_t g = 0; g < gn; ++g)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (g0 + g) * D + 16 * v, acc[g][v]);
-  }
-}
-
-template <typename TT>
-using DecodeGroupFn = void (*)(const float*, int64_t, const TT*, const TT*, const int*, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, float, float*, float*);
-
-template <typename TT>
-DecodeGroupFn<TT> decode_group_for(int64_t D) {
-  switch (D) {
-    case 16: return decode_group<TT, 1>;
-    case 32: return decode_group<TT, 2>;
-    case 64: return decode_group<TT, 4>;
-    case 80: return decode_group<TT, 5>;
-    case 96: return decode_group<TT, 6>;
-    case 128: return decode_group<TT, 8>;
-    case 256: return decode_group<TT, 16>;
-    default: return nullptr;
-  }
-}
-
-}  // namespace
+#include "decode_attention.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 namespace {
 
@@ -669,22 +364,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     T* op = out.data_ptr<T>();
     at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const T* g = xp + r * D2; const T* u = g + D; T* o = op + r * D;
-#ifdef __AVX512F__
-        for (int64_t i = 0; i < D; i += 16) {
-          const __mmask16 m = tail_mask(D - i);
-          const __m512 gv = load16(g + i, m), uv = load16(u + i, m);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-          const __m512 s = round_to(T{}, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-          store16(o + i, round_to(T{}, _mm512_mul_ps(s, uv)), m);
-        }
-#else
-        for (int64_t i = 0; i < D; ++i) {
-          const float gf = f32(g[i]);
-          const T s = static_cast<T>(gf / (1.f + std::exp(-gf)));
-          o[i] = static_cast<T>(f32(s) * f32(u[i]));
-        }
-#endif
+        silu_mul_row<T>(xp + r * D2, xp + r * D2 + D, op + r * D, D);
       }
     });
   });

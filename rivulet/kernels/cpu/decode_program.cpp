@@ -1,0 +1,269 @@
+// A pre-norm decoder's decode step (one new token for each of up to `max_rows` sequences) as one
+// call: embedding, every layer, the final norm. The layer-by-layer forward of the same step makes
+// ~11 dispatcher calls a layer, each a fork/join of the OpenMP team plus the interpreter between
+// them; for a small model that host work is most of the step (SmolLM2-135M in int4: ~3 of 5 ms).
+// Here one OpenMP region runs the whole step, the threads meeting at a barrier after each of a
+// layer's 5 phases:
+//
+//   1. residual add + RMSNorm + int8 quantization of the rows (every thread, on its own copies:
+//      no barrier needed), then the thread's share of the QKV projection's output columns;
+//   2. attention, one (sequence, KV head) item at a time: RoPE of the item's query heads and key,
+//      the key and value written to the sequence's slot, then the group's heads over the pages;
+//   3. quantization of the attention output, the thread's share of o_proj;
+//   4. residual add + RMSNorm + quantization, the thread's share of gate_up;
+//   5. SiLU-and-mul + quantization, the thread's share of down_proj.
+//
+// Every number is the layer-by-layer path's: the same row functions (rowwise.h), the same
+// quantized dot products (quant_gemv.h), the same attention kernel (decode_attention.h), rounded to
+// the activation dtype where those ops round. Weights are the weight-only int8/int4 copies; what a
+// program cannot run (other weights or architectures) is decided in Python
+// (rivulet/models/decode_program.py), which then keeps the layer-by-layer path.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant_gemv.h"
+#include "rowwise.h"
+#include "decode_attention.h"
+
+#if defined(RIVULET_VNNI) && defined(__AVX512F__)
+namespace {
+
+// One weight-only linear: int8 (w, scale) or int4 (w, d, m), optional bias (in the activation dtype).
+struct QLinear {
+  std::vector<torch::Tensor> keep;
+  bool int4 = false;
+  int64_t N = 0, Kp = 0;
+  Int8Format f8{};
+  Int4Format f4{};
+
+  QLinear() = default;
+  QLinear(const std::vector<torch::Tensor>& t) : keep(t) {
+    TORCH_CHECK(t.size() == 2 || t.size() == 3, "decode program: a linear is (w, scale) or (w, d, m)");
+    for (const auto& x : t) TORCH_CHECK(x.is_contiguous(), "decode program: contiguous weights");
+    int4 = t.size() == 3;
+    N = t[0].size(0);
+    if (int4) {
+      Kp = t[0].size(1) * 2;
+      f4 = Int4Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), t[2].data_ptr<float>(), Kp / 2, Kp / 32};
+    } else {
+      Kp = t[0].size(1);
+      f8 = Int8Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), Kp, Kp / 64};
+    }
+  }
+  int64_t block() const { return int4 ? Int4Format::kBlock : Int8Format::kBlock; }
+
+  // x [M, K] (T) quantized into xq, then this thread's share of y [M, N]
+  template <typename T>
+  void run(const T* x, int64_t K, int64_t M, QuantRow* xq, const T* bias, T* y, int tid, int nthr) const {
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, Kp, block(), xq[m]);
+    const int64_t chunk = (N + nthr - 1) / nthr, n0 = std::min(N, tid * chunk), n1 = std::min(N, n0 + chunk);
+    if (int4) gemv_rows<T>(f4, xq, M, n0, n1, bias, y, N);
+    else gemv_rows<T>(f8, xq, M, n0, n1, bias, y, N);
+  }
+};
+
+struct Layer {
+  torch::Tensor in_norm, post_norm, qkv_bias, kv_cache;
+  QLinear qkv, o, gate_up, down;
+};
+
+// What one thread keeps across the step: its copy of the residual stream and its scratch.
+template <typename T>
+struct Scratch {
+  std::vector<T> residual, act;  // [rows, hidden], [rows, max width]
+  std::vector<float> buf, qf, acc, sc;
+  std::vector<T> rot;  // one rotated head
+  std::vector<QuantRow> xq;
+};
+
+class DecodeProgram {
+ public:
+  DecodeProgram(torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos_sin, bool interleaved, double eps,
+                double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                int64_t max_rows)
+      : embed_(embed), final_norm_(final_norm), cos_sin_(cos_sin), interleaved_(interleaved), eps_(float(eps)),
+        scale_(float(scale)), Hq_(num_heads), Hk_(num_kv_heads), D_(head_dim), I_(intermediate), max_rows_(max_rows) {
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode program: embedding [vocab, hidden]");
+    TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous(), "decode program: float32 cos/sin");
+    TORCH_CHECK(embed.scalar_type() == torch::kFloat32 || embed.scalar_type() == torch::kBFloat16,
+                "decode program: float32 or bfloat16 activations");
+    TORCH_CHECK(Hq_ % Hk_ == 0 && decode_group_for<float>(D_) != nullptr, "decode program: head layout");
+    H_ = embed.size(1);
+    dtype_ = embed.scalar_type();
+  }
+
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<torch::Tensor> qkv,
+                 c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
+                 std::vector<torch::Tensor> down, torch::Tensor kv_cache) {
+    Layer l;
+    l.in_norm = in_norm.to(dtype_).contiguous();
+    l.post_norm = post_norm.to(dtype_).contiguous();
+    if (qkv_bias.has_value() && qkv_bias->defined()) l.qkv_bias = qkv_bias->to(dtype_).contiguous();
+    l.qkv = QLinear(qkv); l.o = QLinear(o); l.gate_up = QLinear(gate_up); l.down = QLinear(down);
+    TORCH_CHECK(l.qkv.N == (Hq_ + 2 * Hk_) * D_ && l.o.N == H_ && l.gate_up.N == 2 * I_ && l.down.N == H_,
+                "decode program: projection shapes");
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_ &&
+                kv_cache.scalar_type() == dtype_ && kv_cache[0].is_contiguous() && kv_cache.stride(3) == D_,
+                "decode program: KV cache [2, blocks, block_size, kv_heads, head_dim] in the activation dtype");
+    l.kv_cache = kv_cache;
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // Hidden states after the final norm [M, hidden] of M decoding sequences (row i: sequence i).
+  torch::Tensor run(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slot_mapping,
+                    torch::Tensor block_tables, torch::Tensor seq_lens) {
+    const int64_t M = input_ids.numel();
+    TORCH_CHECK(M >= 1 && M <= max_rows_, "decode program: 1 to ", max_rows_, " rows, got ", M);
+    TORCH_CHECK(positions.numel() == M && slot_mapping.numel() == M && seq_lens.numel() == M &&
+                block_tables.dim() == 2 && block_tables.size(0) == M, "decode program: one token per sequence");
+    auto out = torch::empty({M, H_}, embed_.options());
+    if (dtype_ == torch::kBFloat16) run_t<at::BFloat16>(input_ids, positions, slot_mapping, block_tables, seq_lens, out);
+    else run_t<float>(input_ids, positions, slot_mapping, block_tables, seq_lens, out);
+    return out;
+  }
+
+ private:
+  template <typename T>
+  std::vector<Scratch<T>>& scratch();
+
+  template <typename T>
+  void run_t(const torch::Tensor& ids_in, const torch::Tensor& pos_in, const torch::Tensor& slots_in,
+             const torch::Tensor& bt_in, const torch::Tensor& lens_in, torch::Tensor& out) {
+    auto ids = ids_in.to(torch::kLong).contiguous(), pos = pos_in.to(torch::kLong).contiguous();
+    auto slots = slots_in.to(torch::kLong).contiguous();
+    auto bt = bt_in.to(torch::kInt).contiguous(), lens = lens_in.to(torch::kInt).contiguous();
+    const int64_t M = ids.numel(), H = H_, D = D_, Hq = Hq_, Hk = Hk_, G = Hq / Hk, I = I_;
+    const int64_t qkv_n = (Hq + 2 * Hk) * D, rot = cos_sin_.size(1), maxb = bt.size(1);
+    const int64_t* idp = ids.data_ptr<int64_t>(); const int64_t* pp = pos.data_ptr<int64_t>();
+    const int64_t* sp = slots.data_ptr<int64_t>(); const int* btp = bt.data_ptr<int>(); const int* lp = lens.data_ptr<int>();
+    int64_t maxL = 1;
+    for (int64_t i = 0; i < M; ++i) {
+      TORCH_CHECK(idp[i] >= 0 && idp[i] < embed_.size(0), "decode program: token id out of range");
+      TORCH_CHECK(pp[i] >= 0 && pp[i] < cos_sin_.size(0), "decode program: position beyond the rotary table");
+      TORCH_CHECK(lp[i] >= 1 && (lp[i] + 0ll) <= maxb * layers_.front().kv_cache.size(2), "decode program: seq_lens");
+      maxL = std::max<int64_t>(maxL, lp[i]);
+    }
+    // shared between the threads: each phase's output
+    qkv_.resize(M * qkv_n * sizeof(T)); attn_.resize(M * Hq * D * sizeof(T));
+    hid_.resize(M * H * sizeof(T)); gu_.resize(M * 2 * I * sizeof(T));
+    T* qkv = reinterpret_cast<T*>(qkv_.data()); T* attn = reinterpret_cast<T*>(attn_.data());
+    T* hid = reinterpret_cast<T*>(hid_.data()); T* gu = reinterpret_cast<T*>(gu_.data());
+    const int nt = at::get_num_threads();
+    auto& scr = scratch<T>();
+    if (int(scr.size()) < nt) scr.resize(nt);
+    for (auto& s : scr) {  // sized here, outside the parallel region (no allocation inside it)
+      s.residual.resize(M * H); s.act.resize(M * std::max({H, I, Hq * D})); s.buf.resize(H);
+      s.qf.resize(G * D); s.acc.resize(G * D); s.rot.resize(D);
+      if (int64_t(s.sc.size()) < G * maxL) s.sc.resize(G * maxL);
+      if (int64_t(s.xq.size()) < M) s.xq.resize(M);
+    }
+    const T* emb = embed_.data_ptr<T>(); const float* cs_all = cos_sin_.data_ptr<float>();
+    T* outp = out.data_ptr<T>();
+    const auto group = decode_group_for<T>(D);
+
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
+      Scratch<T>& S = scr[tid];
+      T* res = S.residual.data(); T* act = S.act.data(); float* buf = S.buf.data();
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const Layer& L = layers_[li];
+        // 1. (residual +) RMSNorm, QKV
+        for (int64_t m = 0; m < M; ++m) {
+          if (li == 0) {
+            std::memcpy(res + m * H, emb + idp[m] * H, H * sizeof(T));
+            load_row<T>(res + m * H, nullptr, nullptr, buf, H);
+          } else {
+            load_row<T>(hid + m * H, res + m * H, res + m * H, buf, H);
+          }
+          norm_row<T>(buf, L.in_norm.data_ptr<T>(), act + m * H, H, eps_);
+        }
+        L.qkv.run<T>(act, H, M, S.xq.data(), L.qkv_bias.defined() ? L.qkv_bias.data_ptr<T>() : nullptr, qkv, tid, nthr);
+#pragma omp barrier
+        // 2. RoPE, the KV write and attention, per (sequence, KV head)
+        T* cache = L.kv_cache.data_ptr<T>();
+        const int64_t bs = L.kv_cache.size(2), plane = L.kv_cache.stride(0);
+        for (int64_t w = tid; w < M * Hk; w += nthr) {
+          const int64_t i = w / Hk, h = w % Hk;
+          const T* row = qkv + i * qkv_n;
+          const float* cs = cs_all + pp[i] * rot;
+          if (sp[i] >= 0) {
+            T* kd = cache + sp[i] * Hk * D + h * D;
+            rotate_head<T>(row + Hq * D + h * D, kd, cs, D, rot, interleaved_);
+            std::memcpy(cache + plane + sp[i] * Hk * D + h * D, row + (Hq + Hk) * D + h * D, D * sizeof(T));
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            rotate_head<T>(row + (h * G + g) * D, S.rot.data(), cs, D, rot, interleaved_);
+            for (int64_t d = 0; d < D; ++d) S.qf[g * D + d] = f32(S.rot[d]);
+          }
+          group(S.qf.data(), G, cache + h * D, cache + plane + h * D, btp + i * maxb, 0, lp[i], bs, bs * Hk * D,
+                Hk * D, scale_, S.sc.data(), S.acc.data());
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) attn[(i * Hq + h * G + g) * D + d] = static_cast<T>(S.acc[g * D + d]);
+        }
+#pragma omp barrier
+        // 3. o_proj
+        L.o.run<T>(attn, Hq * D, M, S.xq.data(), nullptr, hid, tid, nthr);
+#pragma omp barrier
+        // 4. residual + RMSNorm, gate_up
+        for (int64_t m = 0; m < M; ++m) {
+          load_row<T>(hid + m * H, res + m * H, res + m * H, buf, H);
+          norm_row<T>(buf, L.post_norm.data_ptr<T>(), act + m * H, H, eps_);
+        }
+        L.gate_up.run<T>(act, H, M, S.xq.data(), nullptr, gu, tid, nthr);
+#pragma omp barrier
+        // 5. SiLU-and-mul, down_proj (hid is free again: every thread has read it in phase 4)
+        for (int64_t m = 0; m < M; ++m) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+        L.down.run<T>(act, I, M, S.xq.data(), nullptr, hid, tid, nthr);
+#pragma omp barrier
+      }
+      if (tid == 0) {
+        for (int64_t m = 0; m < M; ++m) {
+          load_row<T>(hid + m * H, res + m * H, res + m * H, buf, H);
+          norm_row<T>(buf, final_norm_.data_ptr<T>(), outp + m * H, H, eps_);
+        }
+      }
+    }
+  }
+
+  torch::Tensor embed_, final_norm_, cos_sin_;
+  bool interleaved_;
+  float eps_, scale_;
+  int64_t Hq_, Hk_, D_, I_, max_rows_, H_ = 0;
+  torch::ScalarType dtype_;
+  std::vector<Layer> layers_;
+  std::vector<char> qkv_, attn_, hid_, gu_;
+  std::vector<Scratch<float>> scratch_f_;
+  std::vector<Scratch<at::BFloat16>> scratch_b_;
+};
+
+template <>
+std::vector<Scratch<float>>& DecodeProgram::scratch<float>() { return scratch_f_; }
+template <>
+std::vector<Scratch<at::BFloat16>>& DecodeProgram::scratch<at::BFloat16>() { return scratch_b_; }
+
+}  // namespace
+
+void register_decode_program(py::module& m) {
+  py::class_<DecodeProgram>(m, "DecodeProgram")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, bool, double, double, int64_t, int64_t, int64_t,
+                    int64_t, int64_t>(),
+           py::arg("embed"), py::arg("final_norm"), py::arg("cos_sin"), py::arg("interleaved"), py::arg("eps"),
+           py::arg("scale"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate"), py::arg("max_rows"))
+      .def("add_layer", &DecodeProgram::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("qkv"),
+           py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("kv_cache"))
+      .def_property_readonly("num_layers", &DecodeProgram::num_layers)
+      .def("run", &DecodeProgram::run, py::arg("input_ids"), py::arg("positions"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::call_guard<py::gil_scoped_release>());
+}
+#else
+void register_decode_program(py::module&) {}  // AVX512-VNNI only: elsewhere the layer-by-layer path runs
+#endif

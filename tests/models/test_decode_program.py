@@ -1,0 +1,119 @@
+"""The CPU decode program (decode steps of a plain Llama decoder with int8/int4 weights as one native
+call) computes exactly the layer-by-layer path's numbers, takes only the steps it describes, and
+refuses other models with a reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.runner import make_runner, teacher_forced_logits
+from rivulet import LLM, SamplingParams
+from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.worker.batch import SeqChunk
+
+pytestmark = pytest.mark.skipif(not hasattr(load_cpu_ext(), "DecodeProgram"),
+                                reason="the decode program is built for AVX512-VNNI CPUs only")
+
+
+def _counting(runner) -> list[int]:
+    """Wrap the runner's program so that each step it takes appends its row count."""
+    calls: list[int] = []
+    program = runner.decode_program
+    run = program.run
+
+    def counted(input_ids, positions, meta, layout):
+        out = run(input_ids, positions, meta, layout)
+        if out is not None:
+            calls.append(input_ids.shape[0])
+        return out
+
+    program.run = counted
+    return calls
+
+
+# Llama (GQA 2), Qwen2 (QKV bias), Llama 3 rope scaling with a tied head and 4 heads per KV head,
+# Phi-3 (LongRoPE, fused checkpoint projections)
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3-rope-tied", "phi3"])
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_sequence_decodes_bitwise_as_layer_by_layer(kind, method, dtype, tiny_model_dir):
+    path, _ = tiny_model_dir(kind)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    r = make_runner(path, dtype=dtype, quantization=method)
+    calls = _counting(r)
+    got = teacher_forced_logits(r, ids, chunks=[16], blocks=list(range(12)))
+    assert calls == [1] * 24  # every one-token step, not the 16-token prefill
+    r.decode_program = None
+    ref = teacher_forced_logits(r, ids, chunks=[16], blocks=list(range(12)))
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_decode_steps_match_and_other_steps_run_layer_by_layer(dtype, tiny_model_dir):
+    path, _ = tiny_model_dir("qwen2")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 30, 3, 9, 11, 2, 21, 8)]
+    tables = [list(range(i * 10, i * 10 + 10)) for i in range(len(prompts))]  # 10 blocks of 4: 40 tokens each
+
+    def run(r, n_seqs: int) -> list[torch.Tensor]:
+        out = [r.forward([SeqChunk(p, 0, t) for p, t in zip(prompts[:n_seqs], tables)])]  # a mixed-length prefill
+        toks = [int(x) for x in out[0].argmax(-1)]
+        lens = [len(p) for p in prompts[:n_seqs]]
+        for _ in range(4):
+            logits = r.forward([SeqChunk([tok], n, t) for tok, n, t in zip(toks, lens, tables)])
+            out.append(logits)
+            toks, lens = [int(x) for x in logits.argmax(-1)], [n + 1 for n in lens]
+        return out
+
+    r = make_runner(path, dtype=dtype, num_blocks=96, quantization="int4")
+    calls = _counting(r)
+    assert r.decode_program.max_rows == 8
+    got3, got9 = run(r, 3), run(r, 9)
+    assert calls == [3] * 4  # 9 sequences are more rows than the compact weights serve: layer by layer
+    r.decode_program = None
+    for a, b in zip(got3 + got9, run(r, 3) + run(r, 9)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("mistral-window", "sliding-window layers"),
+    ("qwen3", "q/k norms"),
+    ("qwen3-moe", "not the plain Llama decoder"),
+    ("gemma2", "sandwich norms"),
+])
+def test_models_it_does_not_describe_run_layer_by_layer(kind, why, tiny_model_dir):
+    r = make_runner(tiny_model_dir(kind)[0], quantization="int4")
+    assert r.decode_program is None and why in r.decode_program_skipped
+
+
+def test_dense_weights_and_enforce_eager_have_no_program(tiny_model_dir):
+    from rivulet.config import CacheConfig, ModelConfig
+    from rivulet.models.loader import resolve_model
+    from rivulet.worker.model_runner import ModelRunner as Runner
+
+    path, _ = tiny_model_dir("llama")
+    r = make_runner(path)
+    assert r.decode_program is None and "weight-only int8/int4" in r.decode_program_skipped
+    eager = Runner(ModelConfig(model=str(path), dtype="float32", quantization="int4", enforce_eager=True),
+                   CacheConfig(block_size=4), resolve_model(str(path)))
+    eager.allocate_kv_cache(16)
+    assert eager.decode_program is None and eager.decode_program_skipped is None
+
+
+def test_default_model_int4_greedy_tokens_match_enforce_eager():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM("default", quantization="int4", max_model_len=256, kv_cache_memory=32 << 20, enforce_eager=eager)
+        try:
+            runner = llm.engine.core.executor.runner
+            assert (runner.decode_program is None) == eager
+            calls = _counting(runner) if not eager else []
+            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+            assert eager or len(calls) >= 23  # every decode step (the first token comes from the prefill)
+    assert outs[False] == outs[True]
+    assert all(len(t) == 24 for t in outs[False])
