@@ -1,16 +1,19 @@
-"""Decode steps of a plain Llama-family decoder with weight-only int8/int4 weights as one C++ call.
+"""Small steps of a plain Llama-family decoder with weight-only int8/int4 weights as one C++ call.
 
 A decode step of a small model on a CPU is mostly host work: the layer-by-layer forward makes
 ~11 dispatcher calls a layer, each an OpenMP fork/join, with the interpreter in between (the
 default model in int4: ~3 ms of a 5 ms forward, the kernels ~2 ms). `DecodeProgram`
 (`kernels/cpu/decode_program.cpp`) runs such a step, embedding to final norm, inside one OpenMP
-region with a barrier between a layer's phases, computing the same numbers as the layer-by-layer
-path (the same kernels' arithmetic; tests/models/test_decode_program.py checks bitwise equality).
+region with a barrier between a layer's phases, computing a decode step's numbers exactly as the
+layer-by-layer path does (the same kernels' arithmetic; tests/models/test_decode_program.py).
 It is the CPU's counterpart of a CUDA-graph replay, and `--enforce-eager` turns it off too.
 
-It takes a step where every sequence has one new token and there are at most `MAX_ROWS` of them
-(the steps that read the compact weight copies); any other step, and any model it does not
-describe, runs layer by layer. `build_decode_program` says why a model is not taken.
+It takes any step of at most `MAX_ROWS` tokens (the steps that read the compact weight copies):
+decode steps of up to that many sequences, k-token verify steps, short prefill chunks. Each token
+attends to its own context [0, position] with the decode kernel, so a token of a multi-token step
+gets exactly the numbers it would get decoded alone (the layer-by-layer path takes multi-token
+sequences through the prefill kernel, whose sums run in another order). Bigger steps, and any model
+it does not describe, run layer by layer. `build_decode_program` says why a model is not taken.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ class DecodeProgram:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             layout: BatchLayout) -> torch.Tensor | None:
-        """Hidden states [T, hidden] after the final norm, or None when the step is not T <= max_rows
-        sequences of one token each."""
+        """Hidden states [T, hidden] after the final norm, or None when the step has more than max_rows tokens."""
         t = input_ids.shape[0]
-        if not 0 < t <= self.max_rows or layout.num_seqs != t:
+        if not 0 < t <= self.max_rows:
             return None
-        return self.native.run(input_ids, positions, meta.slot_mapping, meta.block_tables,  # type: ignore[attr-defined]
-                               meta.seq_lens)
+        seqs = None
+        if layout.num_seqs != t:  # some sequence has several tokens: which sequence each token is of
+            qsl = layout.query_start_loc
+            seqs = torch.tensor([i for i in range(layout.num_seqs) for _ in range(qsl[i + 1] - qsl[i])])
+        return self.native.run(input_ids, positions, meta.slot_mapping, meta.block_tables, seqs)  # type: ignore[attr-defined]
 
 
 def _weights(linear: torch.nn.Module) -> list[torch.Tensor] | None:

@@ -1,6 +1,7 @@
-"""The CPU decode program (decode steps of a plain Llama decoder with int8/int4 weights as one native
-call) computes exactly the layer-by-layer path's numbers, takes only the steps it describes, and
-refuses other models with a reason."""
+"""The CPU decode program (small steps of a plain Llama decoder with int8/int4 weights as one native
+call) computes exactly the layer-by-layer path's numbers on decode steps, gives each token of a
+multi-token step what it would get decoded alone, takes only the steps it describes, and refuses
+other models with a reason."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.skipif(not hasattr(load_cpu_ext(), "DecodeProgram"),
 
 
 def _counting(runner) -> list[int]:
-    """Wrap the runner's program so that each step it takes appends its row count."""
+    """Wrap the runner's program so that each step it takes appends its token count (negated for a step
+    where some sequence has several tokens)."""
     calls: list[int] = []
     program = runner.decode_program
     run = program.run
@@ -25,7 +27,7 @@ def _counting(runner) -> list[int]:
     def counted(input_ids, positions, meta, layout):
         out = run(input_ids, positions, meta, layout)
         if out is not None:
-            calls.append(input_ids.shape[0])
+            calls.append(input_ids.shape[0] if layout.num_seqs == input_ids.shape[0] else -input_ids.shape[0])
         return out
 
     program.run = counted
@@ -117,3 +119,61 @@ def test_default_model_int4_greedy_tokens_match_enforce_eager():
             assert eager or len(calls) >= 23  # every decode step (the first token comes from the prefill)
     assert outs[False] == outs[True]
     assert all(len(t) == 24 for t in outs[False])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_multi_token_step_gives_each_token_its_one_token_numbers(dtype, tiny_model_dir):
+    """Short prefill chunks and k-token steps (two sequences in one step): each token's logits equal
+    decoding it alone through the program, bitwise, and the layer-by-layer path's (whose prefill kernel
+    sums in another order) to float rounding."""
+    path, _ = tiny_model_dir("llama3-rope-tied")
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randint(0, 256, (14,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()
+    ta, tb = list(range(0, 5)), list(range(5, 10))
+
+    def chunked(r):  # a: 6, then 8 tokens in two steps; b: 3 + 3 + 3 beside them
+        out = [r.forward([SeqChunk(a[:6], 0, ta), SeqChunk(b[:2], 0, tb)], all_logits=True)]
+        out.append(r.forward([SeqChunk(a[6:10], 6, ta), SeqChunk(b[2:6], 2, tb)], all_logits=True))
+        out.append(r.forward([SeqChunk(a[10:], 10, ta), SeqChunk(b[6:], 6, tb)], all_logits=True))
+        return torch.cat(out)
+
+    r = make_runner(path, dtype=dtype, quantization="int4")
+    calls = _counting(r)
+    got = chunked(r)
+    assert calls == [-8, -8, -7]
+    alone = [r.forward([SeqChunk([t], i, ta)]) for i, t in enumerate(a)]
+    alone_b = [r.forward([SeqChunk([t], i, tb)]) for i, t in enumerate(b)]
+    order = [alone[:6], alone_b[:2], alone[6:10], alone_b[2:6], alone[10:], alone_b[6:]]
+    assert torch.equal(got, torch.cat([x for part in order for x in part]))
+    r.decode_program = None
+    ref = chunked(r)
+    if dtype == "float32":
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:  # one bf16 rounding apart at most in a few places: the same greedy tokens
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_int4_ngram_speculation_keeps_the_greedy_tokens_and_verifies_in_the_program():
+    """One sequence at a time, so every verify step (1 + 3 tokens) fits the program: each of its tokens gets
+    its one-token numbers, so even in bf16 the greedy tokens are those of plain decoding. (Bigger verify
+    steps run layer by layer on the dense weights, as any step of more than 8 rows does.)"""
+    rng = torch.Generator().manual_seed(2)
+    prompts = []
+    for _ in range(4):
+        a = torch.randint(100, 30000, (12,), generator=rng).tolist()
+        prompts.append({"prompt_token_ids": a + a[:3]})
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, calls = {}, []
+    for cfg in (None, spec):
+        llm = LLM("default", quantization="int4", max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=1,
+                  speculative_config=cfg)
+        try:
+            runner = llm.engine.core.executor.runner
+            if cfg is not None:
+                calls = _counting(runner)
+            outs[cfg is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False]
+    assert any(c < 0 for c in calls)  # verify steps of 1 + k tokens ran in the program

@@ -1,23 +1,27 @@
-// A pre-norm decoder's decode step (one new token for each of up to `max_rows` sequences) as one
-// call: embedding, every layer, the final norm. The layer-by-layer forward of the same step makes
-// ~11 dispatcher calls a layer, each a fork/join of the OpenMP team plus the interpreter between
-// them; for a small model that host work is most of the step (SmolLM2-135M in int4: ~3 of 5 ms).
-// Here one OpenMP region runs the whole step, the threads meeting at a barrier after each of a
-// layer's 5 phases:
+// A pre-norm decoder's small step (at most `max_rows` tokens: decode steps of up to that many
+// sequences, k-token verify steps, short prefill chunks) as one call: embedding, every layer, the
+// final norm. The layer-by-layer forward of the same step makes ~11 dispatcher calls a layer, each
+// a fork/join of the OpenMP team plus the interpreter between them; for a small model that host work
+// is most of the step (SmolLM2-135M in int4: ~3 of 5 ms). Here one OpenMP region runs the whole
+// step, the threads meeting at a barrier after each of a layer's 6 phases:
 //
 //   1. residual add + RMSNorm + int8 quantization of the rows (every thread, on its own copies:
 //      no barrier needed), then the thread's share of the QKV projection's output columns;
-//   2. attention, one (sequence, KV head) item at a time: RoPE of the item's query heads and key,
-//      the key and value written to the sequence's slot, then the group's heads over the pages;
-//   3. quantization of the attention output, the thread's share of o_proj;
-//   4. residual add + RMSNorm + quantization, the thread's share of gate_up;
-//   5. SiLU-and-mul + quantization, the thread's share of down_proj.
+//   2. RoPE of each (token, KV head)'s key, written with its value to the token's slot;
+//   3. attention per (token, KV head): RoPE of the group's query heads, then the group over the
+//      token's context [0, position] in its sequence's pages (the decode kernel, one query row:
+//      causal within a multi-token sequence, since its earlier tokens were written in phase 2);
+//   4. quantization of the attention output, the thread's share of o_proj;
+//   5. residual add + RMSNorm + quantization, the thread's share of gate_up;
+//   6. SiLU-and-mul + quantization, the thread's share of down_proj.
 //
-// Every number is the layer-by-layer path's: the same row functions (rowwise.h), the same
-// quantized dot products (quant_gemv.h), the same attention kernel (decode_attention.h), rounded to
-// the activation dtype where those ops round. Weights are the weight-only int8/int4 copies; what a
-// program cannot run (other weights or architectures) is decided in Python
-// (rivulet/models/decode_program.py), which then keeps the layer-by-layer path.
+// Every number of a decode step is the layer-by-layer path's: the same row functions (rowwise.h),
+// the same quantized dot products (quant_gemv.h), the same attention kernel (decode_attention.h),
+// rounded to the activation dtype where those ops round. A token of a multi-token step gets exactly
+// what it would get decoded alone (the layer-by-layer path takes those through the prefill kernel,
+// whose sums run in another order). Weights are the weight-only int8/int4 copies; what a program
+// cannot run (other weights or architectures) is decided in Python (rivulet/models/decode_program.py),
+// which then keeps the layer-by-layer path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -116,16 +120,20 @@ class DecodeProgram {
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
-  // Hidden states after the final norm [M, hidden] of M decoding sequences (row i: sequence i).
+  // Hidden states after the final norm [M, hidden] of the step's M tokens; token i belongs to the
+  // sequence of block table row token_seqs[i] (i itself when omitted: one token per sequence) and
+  // attends to positions [0, positions[i]] of it.
   torch::Tensor run(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slot_mapping,
-                    torch::Tensor block_tables, torch::Tensor seq_lens) {
+                    torch::Tensor block_tables, c10::optional<torch::Tensor> token_seqs) {
     const int64_t M = input_ids.numel();
-    TORCH_CHECK(M >= 1 && M <= max_rows_, "decode program: 1 to ", max_rows_, " rows, got ", M);
-    TORCH_CHECK(positions.numel() == M && slot_mapping.numel() == M && seq_lens.numel() == M &&
-                block_tables.dim() == 2 && block_tables.size(0) == M, "decode program: one token per sequence");
+    TORCH_CHECK(M >= 1 && M <= max_rows_, "decode program: 1 to ", max_rows_, " tokens, got ", M);
+    const bool per_seq = !token_seqs.has_value() || !token_seqs->defined();
+    TORCH_CHECK(positions.numel() == M && slot_mapping.numel() == M && block_tables.dim() == 2 &&
+                (per_seq ? block_tables.size(0) == M : token_seqs->numel() == M), "decode program: step layout");
+    auto seqs = per_seq ? torch::arange(M, torch::kLong) : token_seqs->to(torch::kLong).contiguous();
     auto out = torch::empty({M, H_}, embed_.options());
-    if (dtype_ == torch::kBFloat16) run_t<at::BFloat16>(input_ids, positions, slot_mapping, block_tables, seq_lens, out);
-    else run_t<float>(input_ids, positions, slot_mapping, block_tables, seq_lens, out);
+    if (dtype_ == torch::kBFloat16) run_t<at::BFloat16>(input_ids, positions, slot_mapping, block_tables, seqs, out);
+    else run_t<float>(input_ids, positions, slot_mapping, block_tables, seqs, out);
     return out;
   }
 
@@ -135,20 +143,22 @@ class DecodeProgram {
 
   template <typename T>
   void run_t(const torch::Tensor& ids_in, const torch::Tensor& pos_in, const torch::Tensor& slots_in,
-             const torch::Tensor& bt_in, const torch::Tensor& lens_in, torch::Tensor& out) {
+             const torch::Tensor& bt_in, const torch::Tensor& seqs, torch::Tensor& out) {
     auto ids = ids_in.to(torch::kLong).contiguous(), pos = pos_in.to(torch::kLong).contiguous();
     auto slots = slots_in.to(torch::kLong).contiguous();
-    auto bt = bt_in.to(torch::kInt).contiguous(), lens = lens_in.to(torch::kInt).contiguous();
+    auto bt = bt_in.to(torch::kInt).contiguous();
     const int64_t M = ids.numel(), H = H_, D = D_, Hq = Hq_, Hk = Hk_, G = Hq / Hk, I = I_;
     const int64_t qkv_n = (Hq + 2 * Hk) * D, rot = cos_sin_.size(1), maxb = bt.size(1);
     const int64_t* idp = ids.data_ptr<int64_t>(); const int64_t* pp = pos.data_ptr<int64_t>();
-    const int64_t* sp = slots.data_ptr<int64_t>(); const int* btp = bt.data_ptr<int>(); const int* lp = lens.data_ptr<int>();
+    const int64_t* sp = slots.data_ptr<int64_t>(); const int* btp = bt.data_ptr<int>();
+    const int64_t* sq = seqs.data_ptr<int64_t>();
     int64_t maxL = 1;
     for (int64_t i = 0; i < M; ++i) {
       TORCH_CHECK(idp[i] >= 0 && idp[i] < embed_.size(0), "decode program: token id out of range");
       TORCH_CHECK(pp[i] >= 0 && pp[i] < cos_sin_.size(0), "decode program: position beyond the rotary table");
-      TORCH_CHECK(lp[i] >= 1 && (lp[i] + 0ll) <= maxb * layers_.front().kv_cache.size(2), "decode program: seq_lens");
-      maxL = std::max<int64_t>(maxL, lp[i]);
+      TORCH_CHECK(pp[i] < maxb * layers_.front().kv_cache.size(2) && sq[i] >= 0 && sq[i] < bt.size(0),
+                  "decode program: a token's context does not fit its block table");
+      maxL = std::max<int64_t>(maxL, pp[i] + 1);
     }
     // shared between the threads: each phase's output
     qkv_.resize(M * qkv_n * sizeof(T)); attn_.resize(M * Hq * D * sizeof(T));
@@ -187,39 +197,42 @@ class DecodeProgram {
         }
         L.qkv.run<T>(act, H, M, S.xq.data(), L.qkv_bias.defined() ? L.qkv_bias.data_ptr<T>() : nullptr, qkv, tid, nthr);
 #pragma omp barrier
-        // 2. RoPE, the KV write and attention, per (sequence, KV head)
+        // 2. RoPE of the keys, the KV write (before any attention reads: a sequence's later tokens see them)
         T* cache = L.kv_cache.data_ptr<T>();
         const int64_t bs = L.kv_cache.size(2), plane = L.kv_cache.stride(0);
         for (int64_t w = tid; w < M * Hk; w += nthr) {
           const int64_t i = w / Hk, h = w % Hk;
+          if (sp[i] < 0) continue;
           const T* row = qkv + i * qkv_n;
-          const float* cs = cs_all + pp[i] * rot;
-          if (sp[i] >= 0) {
-            T* kd = cache + sp[i] * Hk * D + h * D;
-            rotate_head<T>(row + Hq * D + h * D, kd, cs, D, rot, interleaved_);
-            std::memcpy(cache + plane + sp[i] * Hk * D + h * D, row + (Hq + Hk) * D + h * D, D * sizeof(T));
-          }
+          rotate_head<T>(row + Hq * D + h * D, cache + sp[i] * Hk * D + h * D, cs_all + pp[i] * rot, D, rot, interleaved_);
+          std::memcpy(cache + plane + sp[i] * Hk * D + h * D, row + (Hq + Hk) * D + h * D, D * sizeof(T));
+        }
+#pragma omp barrier
+        // 3. attention, per (token, KV head), over the token's context [0, position]
+        for (int64_t w = tid; w < M * Hk; w += nthr) {
+          const int64_t i = w / Hk, h = w % Hk;
+          const T* row = qkv + i * qkv_n;
           for (int64_t g = 0; g < G; ++g) {
-            rotate_head<T>(row + (h * G + g) * D, S.rot.data(), cs, D, rot, interleaved_);
+            rotate_head<T>(row + (h * G + g) * D, S.rot.data(), cs_all + pp[i] * rot, D, rot, interleaved_);
             for (int64_t d = 0; d < D; ++d) S.qf[g * D + d] = f32(S.rot[d]);
           }
-          group(S.qf.data(), G, cache + h * D, cache + plane + h * D, btp + i * maxb, 0, lp[i], bs, bs * Hk * D,
-                Hk * D, scale_, S.sc.data(), S.acc.data());
+          group(S.qf.data(), G, cache + h * D, cache + plane + h * D, btp + sq[i] * maxb, 0, pp[i] + 1, bs,
+                bs * Hk * D, Hk * D, scale_, S.sc.data(), S.acc.data());
           for (int64_t g = 0; g < G; ++g)
             for (int64_t d = 0; d < D; ++d) attn[(i * Hq + h * G + g) * D + d] = static_cast<T>(S.acc[g * D + d]);
         }
 #pragma omp barrier
-        // 3. o_proj
+        // 4. o_proj
         L.o.run<T>(attn, Hq * D, M, S.xq.data(), nullptr, hid, tid, nthr);
 #pragma omp barrier
-        // 4. residual + RMSNorm, gate_up
+        // 5. residual + RMSNorm, gate_up
         for (int64_t m = 0; m < M; ++m) {
           load_row<T>(hid + m * H, res + m * H, res + m * H, buf, H);
           norm_row<T>(buf, L.post_norm.data_ptr<T>(), act + m * H, H, eps_);
         }
         L.gate_up.run<T>(act, H, M, S.xq.data(), nullptr, gu, tid, nthr);
 #pragma omp barrier
-        // 5. SiLU-and-mul, down_proj (hid is free again: every thread has read it in phase 4)
+        // 6. SiLU-and-mul, down_proj (hid is free again: every thread has read it in phase 5)
         for (int64_t m = 0; m < M; ++m) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
         L.down.run<T>(act, I, M, S.xq.data(), nullptr, hid, tid, nthr);
 #pragma omp barrier
@@ -262,7 +275,7 @@ void register_decode_program(py::module& m) {
            py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("kv_cache"))
       .def_property_readonly("num_layers", &DecodeProgram::num_layers)
       .def("run", &DecodeProgram::run, py::arg("input_ids"), py::arg("positions"), py::arg("slot_mapping"),
-           py::arg("block_tables"), py::arg("seq_lens"), py::call_guard<py::gil_scoped_release>());
+           py::arg("block_tables"), py::arg("token_seqs") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
 #else
 void register_decode_program(py::module&) {}  // AVX512-VNNI only: elsewhere the layer-by-layer path runs

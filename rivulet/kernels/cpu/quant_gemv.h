@@ -16,7 +16,7 @@
 namespace {
 
 constexpr int64_t kChunk = 64;   // bytes of activations per vpdpbusd
-constexpr int64_t kRowTile = 4;  // rows of x sharing each weight load
+constexpr int64_t kRowTile = 5;  // rows of x sharing each weight load, at most (6 spills registers)
 constexpr int64_t kPrefetchRows = 4;  // weight rows read ahead of the one in use
 
 struct QuantRow {
@@ -187,20 +187,25 @@ struct Int4Format {
 };
 
 // y[m, n] = round_T(x_m . W_n + b[n]) for the weight rows n in [n0, n1) and the M quantized rows xq,
-// kRowTile rows of x sharing each weight row's loads (one thread's share of a linear).
+// up to kRowTile rows of x sharing each weight row's loads (one thread's share of a linear). Each
+// output is computed the same way whatever the tiling (rows are independent lanes of the kernel).
 template <typename T, typename Fmt>
 void gemv_rows(const Fmt& fmt, const QuantRow* xq, int64_t M, int64_t n0, int64_t n1, const T* bias, T* y, int64_t N) {
   float tile[kRowTile];
+  const int64_t tiles = (M + kRowTile - 1) / kRowTile;  // as even as possible: 8 rows are 4 + 4, not 5 + 3
   for (int64_t n = n0; n < n1; ++n) {
     const float b = bias ? to_float(bias[n]) : 0.f;
-    int64_t m = 0;
-    for (; m + kRowTile <= M; m += kRowTile) {
-      fmt.template dot<kRowTile>(n, xq + m, tile);
-      for (int r = 0; r < kRowTile; ++r) y[(m + r) * N + n] = static_cast<T>(tile[r] + b);
-    }
-    for (; m < M; ++m) {
-      fmt.template dot<1>(n, xq + m, tile);
-      y[m * N + n] = static_cast<T>(tile[0] + b);
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+      const int64_t r = (M - m) / (tiles - t);
+      switch (r) {
+        case 1: fmt.template dot<1>(n, xq + m, tile); break;
+        case 2: fmt.template dot<2>(n, xq + m, tile); break;
+        case 3: fmt.template dot<3>(n, xq + m, tile); break;
+        case 4: fmt.template dot<4>(n, xq + m, tile); break;
+        default: fmt.template dot<kRowTile>(n, xq + m, tile); break;
+      }
+      for (int64_t i = 0; i < r; ++i) y[(m + i) * N + n] = static_cast<T>(tile[i] + b);
+      m += r;
     }
   }
 }
