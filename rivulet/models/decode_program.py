@@ -1,4 +1,4 @@
-"""Small steps of a plain Llama-family decoder with weight-only int8/int4 weights as one C++ call.
+"""Small steps of a plain Llama-family decoder with int8/int4 or bf16 panel weights as one C++ call.
 
 A decode step of a small model on a CPU is mostly host work: the layer-by-layer forward makes
 ~11 dispatcher calls a layer, each an OpenMP fork/join, with the interpreter in between (the
@@ -8,8 +8,11 @@ region with a barrier between a layer's phases, computing a decode step's number
 layer-by-layer path does (the same kernels' arithmetic; tests/models/test_decode_program.py).
 It is the CPU's counterpart of a CUDA-graph replay, and `--enforce-eager` turns it off too.
 
-It takes any step of at most `MAX_ROWS` tokens (the steps that read the compact weight copies):
-decode steps of up to that many sequences, k-token verify steps, short prefill chunks. Each token
+With `--quantization int8|int4` it takes any step of at most 8 tokens (the steps that read the
+compact weight copies): decode steps of up to 8 sequences, k-token verify steps, short prefill
+chunks. With bf16 weights packed in panels (the kernel of AVX512-BF16 CPUs without AMX,
+`kernels/cpu/bf16_linear.cpp`) it takes steps of up to 64 tokens, at most `MAX_QUERY` of them per
+sequence (decode steps of up to 64 sequences, verify steps, short chunks). Each token
 attends to its own context [0, position] with the decode kernel, so a token of a multi-token step
 gets exactly the numbers it would get decoded alone (the layer-by-layer path takes multi-token
 sequences through the prefill kernel, whose sums run in another order). Bigger steps, and any model
@@ -24,8 +27,12 @@ from rivulet.distributed import get_parallel_state
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.layers.attention import Attention
-from rivulet.layers.quantization import WeightOnly
+from rivulet.layers.quantization import Prepacked, WeightOnly
 from rivulet.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+
+PANEL_MAX_ROWS = 64  # bf16 panel weights: decode steps of up to this many sequences (any batch the server runs)
+MAX_QUERY = 8  # tokens of one sequence in a step the program takes (a verify step's 1 + k, a short chunk)
 
 
 class DecodeProgram:
@@ -36,9 +43,10 @@ class DecodeProgram:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             layout: BatchLayout) -> torch.Tensor | None:
-        """Hidden states [T, hidden] after the final norm, or None when the step has more than max_rows tokens."""
+        """Hidden states [T, hidden] after the final norm, or None when the step has more than max_rows tokens
+        or a sequence with more than MAX_QUERY of them."""
         t = input_ids.shape[0]
-        if not 0 < t <= self.max_rows:
+        if not 0 < t <= self.max_rows or (layout.num_seqs != t and layout.max_query_len > MAX_QUERY):
             return None
         seqs = None
         if layout.num_seqs != t:  # some sequence has several tokens: which sequence each token is of
@@ -47,11 +55,18 @@ class DecodeProgram:
         return self.native.run(input_ids, positions, meta.slot_mapping, meta.block_tables, seqs)  # type: ignore[attr-defined]
 
 
-def _weights(linear: torch.nn.Module) -> list[torch.Tensor] | None:
+def _weights(linear: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None:
+    """A linear's weights as the program reads them, and the most rows it serves; None if it cannot."""
     quant = getattr(linear, "quant", None)
-    if not isinstance(quant, WeightOnly) or getattr(linear, "lora", None) is not None:
+    if getattr(linear, "lora", None) is not None:
         return None
-    return list(quant.tensors)
+    if isinstance(quant, WeightOnly):
+        return list(quant.tensors), quant.max_rows
+    packed = quant.packed if isinstance(quant, Prepacked) else None
+    if packed is not None and packed.dim() == 3 and packed.dtype == torch.bfloat16 and getattr(
+            load_cpu_ext(), "DECODE_PROGRAM_PANELS", False):
+        return [packed], PANEL_MAX_ROWS
+    return None
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -80,7 +95,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         if attn.attn.kv_cache is None or attn.attn.kv_cache.dtype != emb.weight.dtype:
             return "the KV cache is not bound or not in the activation dtype"
         if any(_weights(lin) is None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return "the linears do not all have weight-only int8/int4 copies (--quantization int8|int4)"
+            return ("the linears do not all have weight-only int8/int4 copies (--quantization int8|int4) or bf16 "
+                    "panel weights (AVX512-BF16 CPUs without AMX)")
         if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return "biases beyond the QKV projection"
     return None
@@ -93,17 +109,17 @@ def build_decode_program(model: torch.nn.Module) -> tuple[DecodeProgram | None, 
     assert isinstance(model, LlamaForCausalLM)
     cfg, m = model.config, model.model
     first = m.layers[0].self_attn
-    max_rows = min(lin.quant.max_rows for layer in m.layers
-                   for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                               layer.mlp.down_proj))
+    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               for layer in m.layers]
+    weights = [[_weights(lin) for lin in lins] for lins in linears]
+    max_rows = min(w[1] for ws in weights for w in ws)  # type: ignore[index]
     native = load_cpu_ext().DecodeProgram(  # type: ignore[union-attr]
         m.embed_tokens.weight.detach(), m.norm.weight.detach(), first.rotary_emb.cos_sin_cache,
         first.rotary_emb.interleaved, cfg.rms_norm_eps, first.attn.scale, first.attn.num_heads,
         first.attn.num_kv_heads, first.head_dim, m.layers[0].mlp.down_proj.in_features, max_rows)
-    for layer in m.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer, (qkv, o, gate_up, down) in zip(m.layers, weights):
+        attn = layer.self_attn
         bias = attn.qkv_proj.bias.detach() if attn.qkv_proj.bias is not None else None
         native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                         _weights(attn.qkv_proj), bias, _weights(attn.o_proj), _weights(mlp.gate_up_proj),
-                         _weights(mlp.down_proj), attn.attn.kv_cache)
+                         qkv[0], bias, o[0], gate_up[0], down[0], attn.attn.kv_cache)  # type: ignore[index]
     return DecodeProgram(native, max_rows), None

@@ -11,6 +11,7 @@ import torch
 from helpers.runner import make_runner, teacher_forced_logits
 from rivulet import LLM, SamplingParams
 from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.kernels.cpu import ops as cpu_ops
 from rivulet.worker.batch import SeqChunk
 
 pytestmark = pytest.mark.skipif(not hasattr(load_cpu_ext(), "DecodeProgram"),
@@ -89,6 +90,39 @@ def test_models_it_does_not_describe_run_layer_by_layer(kind, why, tiny_model_di
     assert r.decode_program is None and why in r.decode_program_skipped
 
 
+@pytest.mark.skipif(not getattr(load_cpu_ext(), "DECODE_PROGRAM_PANELS", False) or not cpu_ops.PANEL_BF16,
+                    reason="bf16 panel weights: AVX512-BF16 CPUs without AMX")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_panel_weights_decode_bitwise_and_batch_up_to_64(kind, tiny_model_dir):
+    """Without quantization, bf16 weights packed in panels: decode steps of 1 and of 9 sequences (more than
+    the int4 program's 8) are taken and equal the layer-by-layer path; a step with a 12-token sequence is not."""
+    path, _ = tiny_model_dir(kind)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 5, 17, 30, 3, 9, 11, 2, 21)]
+    tables = [list(range(i * 10, i * 10 + 10)) for i in range(len(prompts))]
+
+    def run(r) -> list[torch.Tensor]:
+        out = [r.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], all_logits=True)]
+        toks, lens = [int(x) for x in out[0][[sum(map(len, prompts[:i + 1])) - 1 for i in range(9)]].argmax(-1)], \
+            [len(p) for p in prompts]
+        for _ in range(3):
+            logits = r.forward([SeqChunk([tok], n, t) for tok, n, t in zip(toks, lens, tables)])
+            out.append(logits)
+            toks, lens = [int(x) for x in logits.argmax(-1)], [n + 1 for n in lens]
+        out.append(r.forward([SeqChunk([toks[0]], lens[0], tables[0])]))
+        out.append(r.forward([SeqChunk(list(range(12)), 0, list(range(90, 96)))], all_logits=True))  # 12 > MAX_QUERY
+        return out
+
+    r = make_runner(path, dtype="bfloat16", num_blocks=96)
+    assert r.decode_program is not None and r.decode_program.max_rows == 64
+    calls = _counting(r)
+    got = run(r)
+    assert calls == [9, 9, 9, 1]  # not the 110-token prefill, nor one sequence's 12-token chunk
+    r.decode_program = None
+    for a, b in zip(got, run(r)):
+        assert torch.equal(a, b)
+
+
 def test_dense_weights_and_enforce_eager_have_no_program(tiny_model_dir):
     from rivulet.config import CacheConfig, ModelConfig
     from rivulet.models.loader import resolve_model
@@ -103,14 +137,18 @@ def test_dense_weights_and_enforce_eager_have_no_program(tiny_model_dir):
     assert eager.decode_program is None and eager.decode_program_skipped is None
 
 
-def test_default_model_int4_greedy_tokens_match_enforce_eager():
+@pytest.mark.parametrize("quantization", ["int4", None])  # None: bf16 weights (panels on CPUs that have them)
+def test_default_model_greedy_tokens_match_enforce_eager(quantization):
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for eager in (False, True):
-        llm = LLM("default", quantization="int4", max_model_len=256, kv_cache_memory=32 << 20, enforce_eager=eager)
+        llm = LLM("default", quantization=quantization, max_model_len=256, kv_cache_memory=32 << 20,
+                  enforce_eager=eager)
         try:
             runner = llm.engine.core.executor.runner
+            if quantization is None and runner.decode_program_skipped:
+                pytest.skip(runner.decode_program_skipped)
             assert (runner.decode_program is None) == eager
             calls = _counting(runner) if not eager else []
             outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -17,57 +17,7 @@
 #include <cstring>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-namespace {
-
-constexpr int64_t kPanel = 16;  // output columns per packed panel (one fp32 vector)
-constexpr int kMaxRows = 6, kMaxPanels = 4;
-
-template <int MR, int G>
-void micro_kernel(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t panel_stride, int64_t K2,
-                  const float* bias, at::BFloat16* y, int64_t ldy) {
-  __m512 acc[MR][G];
-  for (int r = 0; r < MR; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-  const uint32_t* xr[MR];
-  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const uint32_t*>(x + r * ldx);
-  for (int64_t kp = 0; kp < K2; ++kp) {
-    __m512bh b[G];
-    for (int g = 0; g < G; ++g) b[g] = (__m512bh)_mm512_loadu_si512(w + g * panel_stride + kp * 32);
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(xr[r][kp]));
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int g = 0; g < G; ++g) {
-      __m512 v = acc[r][g];
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * kPanel));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + g * kPanel), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
-using KernelFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, const float*,
-                          at::BFloat16*, int64_t);
-
-template <int MR>
-constexpr KernelFn kernel_row(int g) {
-  return g == 1 ? micro_kernel<MR, 1> : g == 2 ? micro_kernel<MR, 2> : g == 3 ? micro_kernel<MR, 3> : micro_kernel<MR, 4>;
-}
-
-KernelFn kernel_for(int rows, int panels) {
-  switch (rows) {
-    case 1: return kernel_row<1>(panels);
-    case 2: return kernel_row<2>(panels);
-    case 3: return kernel_row<3>(panels);
-    case 4: return kernel_row<4>(panels);
-    case 5: return kernel_row<5>(panels);
-    default: return kernel_row<6>(panels);
-  }
-}
-
-}  // namespace
+#include "bf16_panels.h"
 
 bool bf16_linear_available() { return true; }
 
@@ -98,18 +48,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const at::BFloat16* xp = xs.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t panel_stride = K2 * 32;
   // panels split evenly between the threads (a decode step has one or a few rows)
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += kMaxPanels) {
-      const int g = int(std::min<int64_t>(kMaxPanels, p1 - p));
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        const int rows = int(std::min<int64_t>(kMaxRows, M - m));
-        kernel_for(rows, g)(xp + m * K, K, wp + p * panel_stride, panel_stride, K2,
-                            bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N);
-      }
-    }
-  });
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { panel_rows(xp, M, K, wp, p0, p1, bp, yp, N); });
   return y;
 }
 

@@ -1,12 +1,13 @@
-// A pre-norm decoder's small step (at most `max_rows` tokens: decode steps of up to that many
-// sequences, k-token verify steps, short prefill chunks) as one call: embedding, every layer, the
-// final norm. The layer-by-layer forward of the same step makes ~11 dispatcher calls a layer, each
-// a fork/join of the OpenMP team plus the interpreter between them; for a small model that host work
-// is most of the step (SmolLM2-135M in int4: ~3 of 5 ms). Here one OpenMP region runs the whole
-// step, the threads meeting at a barrier after each of a layer's 6 phases:
+// A pre-norm decoder's small step as one call: embedding, every layer, the final norm. Small: at
+// most `max_rows` tokens, set by the caller (8 with int8/int4 weights, the steps that read those
+// copies; 64 with bf16 panel weights): decode steps, k-token verify steps, short prefill chunks. The
+// layer-by-layer forward of the same step makes ~11 dispatcher calls a layer, each a fork/join of
+// the OpenMP team plus the interpreter between them; for a small model that host work is most of
+// the step (SmolLM2-135M in int4: ~3 of 5 ms). Here one OpenMP region runs the whole step, the
+// threads meeting at a barrier after each of a layer's 6 phases:
 //
-//   1. residual add + RMSNorm + int8 quantization of the rows (every thread, on its own copies:
-//      no barrier needed), then the thread's share of the QKV projection's output columns;
+//   1. residual add + RMSNorm + int8 quantization of the rows, then the thread's share of the QKV
+//      projection's output columns;
 //   2. RoPE of each (token, KV head)'s key, written with its value to the token's slot;
 //   3. attention per (token, KV head): RoPE of the group's query heads, then the group over the
 //      token's context [0, position] in its sequence's pages (the decode kernel, one query row:
@@ -15,21 +16,27 @@
 //   5. residual add + RMSNorm + quantization, the thread's share of gate_up;
 //   6. SiLU-and-mul + quantization, the thread's share of down_proj.
 //
+// The row work (norms, SiLU, quantization) of up to kRedundantRows rows is done by every thread on
+// its own copies (residual stream included): no barrier for it. More rows are split between the
+// threads, with one more barrier before the linear that reads them.
+//
 // Every number of a decode step is the layer-by-layer path's: the same row functions (rowwise.h),
-// the same quantized dot products (quant_gemv.h), the same attention kernel (decode_attention.h),
-// rounded to the activation dtype where those ops round. A token of a multi-token step gets exactly
-// what it would get decoded alone (the layer-by-layer path takes those through the prefill kernel,
-// whose sums run in another order). Weights are the weight-only int8/int4 copies; what a program
-// cannot run (other weights or architectures) is decided in Python (rivulet/models/decode_program.py),
-// which then keeps the layer-by-layer path.
+// the same quantized dot products (quant_gemv.h) and bf16 panel kernel (bf16_panels.h), the same
+// attention kernel (decode_attention.h), rounded to the activation dtype where those ops round. A
+// token of a multi-token step gets exactly what it would get decoded alone (the layer-by-layer path
+// takes multi-token sequences through the prefill kernel, whose sums run in another order). What a
+// program cannot run (other weights or architectures) is decided in Python
+// (rivulet/models/decode_program.py), which then keeps the layer-by-layer path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "bf16_panels.h"
 #include "quant_gemv.h"
 #include "rowwise.h"
 #include "decode_attention.h"
@@ -37,21 +44,37 @@
 #if defined(RIVULET_VNNI) && defined(__AVX512F__)
 namespace {
 
-// One weight-only linear: int8 (w, scale) or int4 (w, d, m), optional bias (in the activation dtype).
+constexpr int64_t kRedundantRows = 4;  // up to this many rows every thread does the row work itself
+
+// One linear: weight-only int8 (w, scale) or int4 (w, d, m), or bf16 weights packed in panels
+// ([N/16, K/2, 32], bf16_linear.cpp's layout; bf16 activations only).
 struct QLinear {
+  enum Kind { kInt8, kInt4, kPanels };
   std::vector<torch::Tensor> keep;
-  bool int4 = false;
+  Kind kind = kInt8;
   int64_t N = 0, Kp = 0;
   Int8Format f8{};
   Int4Format f4{};
 
   QLinear() = default;
   QLinear(const std::vector<torch::Tensor>& t) : keep(t) {
-    TORCH_CHECK(t.size() == 2 || t.size() == 3, "decode program: a linear is (w, scale) or (w, d, m)");
+    TORCH_CHECK(t.size() >= 1 && t.size() <= 3, "decode program: a linear is (w, scale), (w, d, m) or (panels)");
     for (const auto& x : t) TORCH_CHECK(x.is_contiguous(), "decode program: contiguous weights");
-    int4 = t.size() == 3;
+    if (t.size() == 1) {
+#ifdef RIVULET_BF16_PANELS
+      TORCH_CHECK(t[0].dim() == 3 && t[0].size(2) == 32 && t[0].scalar_type() == torch::kBFloat16,
+                  "decode program: bf16 panels [N/16, K/2, 32]");
+      kind = kPanels;
+      N = t[0].size(0) * 16;
+      Kp = t[0].size(1) * 2;
+      return;
+#else
+      TORCH_CHECK(false, "decode program: bf16 panels need AVX512-BF16");
+#endif
+    }
+    kind = t.size() == 3 ? kInt4 : kInt8;
     N = t[0].size(0);
-    if (int4) {
+    if (kind == kInt4) {
       Kp = t[0].size(1) * 2;
       f4 = Int4Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), t[2].data_ptr<float>(), Kp / 2, Kp / 32};
     } else {
@@ -59,20 +82,39 @@ struct QLinear {
       f8 = Int8Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), Kp, Kp / 64};
     }
   }
-  int64_t block() const { return int4 ? Int4Format::kBlock : Int8Format::kBlock; }
 
-  // x [M, K] (T) quantized into xq, then this thread's share of y [M, N]
+  bool quantized() const { return kind != kPanels; }
+
+  // x's rows first, first + stride, ... quantized into xq (the panels read x as it is)
   template <typename T>
-  void run(const T* x, int64_t K, int64_t M, QuantRow* xq, const T* bias, T* y, int tid, int nthr) const {
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, Kp, block(), xq[m]);
+  void quantize(const T* x, int64_t K, int64_t M, int64_t first, int64_t stride, QuantRow* xq) const {
+    if (kind == kPanels) return;
+    const int64_t block = kind == kInt4 ? Int4Format::kBlock : Int8Format::kBlock;
+    for (int64_t m = first; m < M; m += stride) quantize_row(x + m * K, K, Kp, block, xq[m]);
+  }
+
+  // this thread's share of the columns of y [M, N] = x [M, K] W^T (+ bias: T for the quantized kinds, float
+  // for panels), from x's quantized rows xq or, for panels, x itself
+  template <typename T>
+  void gemv(const T* x, int64_t K, int64_t M, const QuantRow* xq, const T* bias, const float* bias_f, T* y, int tid,
+            int nthr) const {
+    if (kind == kPanels) {
+#ifdef RIVULET_BF16_PANELS
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        const int64_t P = N / 16, chunk = (P + nthr - 1) / nthr, p0 = std::min(P, tid * chunk);
+        panel_rows(x, M, K, keep[0].data_ptr<at::BFloat16>(), p0, std::min(P, p0 + chunk), bias_f, y, N);
+      }
+#endif
+      return;
+    }
     const int64_t chunk = (N + nthr - 1) / nthr, n0 = std::min(N, tid * chunk), n1 = std::min(N, n0 + chunk);
-    if (int4) gemv_rows<T>(f4, xq, M, n0, n1, bias, y, N);
+    if (kind == kInt4) gemv_rows<T>(f4, xq, M, n0, n1, bias, y, N);
     else gemv_rows<T>(f8, xq, M, n0, n1, bias, y, N);
   }
 };
 
 struct Layer {
-  torch::Tensor in_norm, post_norm, qkv_bias, kv_cache;
+  torch::Tensor in_norm, post_norm, qkv_bias, qkv_bias_f, kv_cache;
   QLinear qkv, o, gate_up, down;
 };
 
@@ -107,8 +149,13 @@ class DecodeProgram {
     Layer l;
     l.in_norm = in_norm.to(dtype_).contiguous();
     l.post_norm = post_norm.to(dtype_).contiguous();
-    if (qkv_bias.has_value() && qkv_bias->defined()) l.qkv_bias = qkv_bias->to(dtype_).contiguous();
+    if (qkv_bias.has_value() && qkv_bias->defined()) {
+      l.qkv_bias = qkv_bias->to(dtype_).contiguous();
+      l.qkv_bias_f = qkv_bias->to(torch::kFloat).contiguous();
+    }
     l.qkv = QLinear(qkv); l.o = QLinear(o); l.gate_up = QLinear(gate_up); l.down = QLinear(down);
+    for (const QLinear* q : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      TORCH_CHECK(q->kind != QLinear::kPanels || dtype_ == torch::kBFloat16, "decode program: panels need bf16");
     TORCH_CHECK(l.qkv.N == (Hq_ + 2 * Hk_) * D_ && l.o.N == H_ && l.gate_up.N == 2 * I_ && l.down.N == H_,
                 "decode program: projection shapes");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_ &&
@@ -165,14 +212,23 @@ class DecodeProgram {
     hid_.resize(M * H * sizeof(T)); gu_.resize(M * 2 * I * sizeof(T));
     T* qkv = reinterpret_cast<T*>(qkv_.data()); T* attn = reinterpret_cast<T*>(attn_.data());
     T* hid = reinterpret_cast<T*>(hid_.data()); T* gu = reinterpret_cast<T*>(gu_.data());
+    // a step of more than kRedundantRows rows splits the row work (norms, SiLU, quantization) between the
+    // threads, with a barrier after it; fewer rows are done by every thread on its own copies, no barrier
+    const bool split = M > kRedundantRows;
+    const int64_t width = std::max({H, I, Hq * D});
+    if (split) {
+      res_.resize(M * H * sizeof(T)); act_.resize(M * width * sizeof(T));
+      if (int64_t(xq_.size()) < M) xq_.resize(M);
+    }
     const int nt = at::get_num_threads();
     auto& scr = scratch<T>();
     if (int(scr.size()) < nt) scr.resize(nt);
     for (auto& s : scr) {  // sized here, outside the parallel region (no allocation inside it)
-      s.residual.resize(M * H); s.act.resize(M * std::max({H, I, Hq * D})); s.buf.resize(H);
+      if (!split) { s.residual.resize(M * H); s.act.resize(M * width); }
+      s.buf.resize(H);
       s.qf.resize(G * D); s.acc.resize(G * D); s.rot.resize(D);
       if (int64_t(s.sc.size()) < G * maxL) s.sc.resize(G * maxL);
-      if (int64_t(s.xq.size()) < M) s.xq.resize(M);
+      if (!split && int64_t(s.xq.size()) < M) s.xq.resize(M);
     }
     const T* emb = embed_.data_ptr<T>(); const float* cs_all = cos_sin_.data_ptr<float>();
     T* outp = out.data_ptr<T>();
@@ -182,11 +238,15 @@ class DecodeProgram {
     {
       const int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
       Scratch<T>& S = scr[tid];
-      T* res = S.residual.data(); T* act = S.act.data(); float* buf = S.buf.data();
+      T* res = split ? reinterpret_cast<T*>(res_.data()) : S.residual.data();
+      T* act = split ? reinterpret_cast<T*>(act_.data()) : S.act.data();
+      QuantRow* xq = split ? xq_.data() : S.xq.data();
+      float* buf = S.buf.data();
+      const int64_t r0 = split ? tid : 0, rs = split ? nthr : 1;  // this thread's rows: r0, r0 + rs, ...
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& L = layers_[li];
         // 1. (residual +) RMSNorm, QKV
-        for (int64_t m = 0; m < M; ++m) {
+        for (int64_t m = r0; m < M; m += rs) {
           if (li == 0) {
             std::memcpy(res + m * H, emb + idp[m] * H, H * sizeof(T));
             load_row<T>(res + m * H, nullptr, nullptr, buf, H);
@@ -195,7 +255,12 @@ class DecodeProgram {
           }
           norm_row<T>(buf, L.in_norm.data_ptr<T>(), act + m * H, H, eps_);
         }
-        L.qkv.run<T>(act, H, M, S.xq.data(), L.qkv_bias.defined() ? L.qkv_bias.data_ptr<T>() : nullptr, qkv, tid, nthr);
+        L.qkv.quantize<T>(act, H, M, r0, rs, xq);
+        if (split) {
+#pragma omp barrier
+        }
+        L.qkv.gemv<T>(act, H, M, xq, L.qkv_bias.defined() ? L.qkv_bias.data_ptr<T>() : nullptr,
+                      L.qkv_bias_f.defined() ? L.qkv_bias_f.data_ptr<float>() : nullptr, qkv, tid, nthr);
 #pragma omp barrier
         // 2. RoPE of the keys, the KV write (before any attention reads: a sequence's later tokens see them)
         T* cache = L.kv_cache.data_ptr<T>();
@@ -223,18 +288,30 @@ class DecodeProgram {
         }
 #pragma omp barrier
         // 4. o_proj
-        L.o.run<T>(attn, Hq * D, M, S.xq.data(), nullptr, hid, tid, nthr);
+        L.o.quantize<T>(attn, Hq * D, M, r0, rs, xq);
+        if (split && L.o.quantized()) {
+#pragma omp barrier
+        }
+        L.o.gemv<T>(attn, Hq * D, M, xq, nullptr, nullptr, hid, tid, nthr);
 #pragma omp barrier
         // 5. residual + RMSNorm, gate_up
-        for (int64_t m = 0; m < M; ++m) {
+        for (int64_t m = r0; m < M; m += rs) {
           load_row<T>(hid + m * H, res + m * H, res + m * H, buf, H);
           norm_row<T>(buf, L.post_norm.data_ptr<T>(), act + m * H, H, eps_);
         }
-        L.gate_up.run<T>(act, H, M, S.xq.data(), nullptr, gu, tid, nthr);
+        L.gate_up.quantize<T>(act, H, M, r0, rs, xq);
+        if (split) {
+#pragma omp barrier
+        }
+        L.gate_up.gemv<T>(act, H, M, xq, nullptr, nullptr, gu, tid, nthr);
 #pragma omp barrier
         // 6. SiLU-and-mul, down_proj (hid is free again: every thread has read it in phase 5)
-        for (int64_t m = 0; m < M; ++m) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
-        L.down.run<T>(act, I, M, S.xq.data(), nullptr, hid, tid, nthr);
+        for (int64_t m = r0; m < M; m += rs) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+        L.down.quantize<T>(act, I, M, r0, rs, xq);
+        if (split) {
+#pragma omp barrier
+        }
+        L.down.gemv<T>(act, I, M, xq, nullptr, nullptr, hid, tid, nthr);
 #pragma omp barrier
       }
       if (tid == 0) {
@@ -252,7 +329,8 @@ class DecodeProgram {
   int64_t Hq_, Hk_, D_, I_, max_rows_, H_ = 0;
   torch::ScalarType dtype_;
   std::vector<Layer> layers_;
-  std::vector<char> qkv_, attn_, hid_, gu_;
+  std::vector<char> qkv_, attn_, hid_, gu_, res_, act_;  // shared by the threads (res_, act_: split steps)
+  std::vector<QuantRow> xq_;
   std::vector<Scratch<float>> scratch_f_;
   std::vector<Scratch<at::BFloat16>> scratch_b_;
 };
@@ -276,6 +354,11 @@ void register_decode_program(py::module& m) {
       .def_property_readonly("num_layers", &DecodeProgram::num_layers)
       .def("run", &DecodeProgram::run, py::arg("input_ids"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("token_seqs") = py::none(), py::call_guard<py::gil_scoped_release>());
+#ifdef RIVULET_BF16_PANELS
+  m.attr("DECODE_PROGRAM_PANELS") = true;
+#else
+  m.attr("DECODE_PROGRAM_PANELS") = false;
+#endif
 }
 #else
 void register_decode_program(py::module&) {}  // AVX512-VNNI only: elsewhere the layer-by-layer path runs
