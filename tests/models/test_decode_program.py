@@ -215,3 +215,17 @@ def test_int4_ngram_speculation_keeps_the_greedy_tokens_and_verifies_in_the_prog
             llm.shutdown()
     assert outs[True] == outs[False]
     assert any(c < 0 for c in calls)  # verify steps of 1 + k tokens ran in the program
+
+
+def test_the_native_call_checks_its_step(tiny_model_dir):
+    r = make_runner(tiny_model_dir("llama")[0], quantization="int4")
+    native = r.decode_program.native
+    pos, slots, tables = torch.tensor([3]), torch.tensor([3]), torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        native.run(torch.tensor([256]), pos, slots, tables)
+    with pytest.raises(RuntimeError, match="position beyond the rotary table"):
+        native.run(torch.tensor([5]), torch.tensor([10_000]), slots, tables)
+    nine = torch.arange(9)
+    with pytest.raises(RuntimeError, match="1 to 8 tokens, got 9"):
+        native.run(nine, nine, nine, torch.zeros(9, 4, dtype=torch.int32))
+    assert native.run(torch.tensor([5]), pos, slots, tables).shape == (1, 64)

@@ -84,6 +84,8 @@ struct QLinear {
   }
 
   bool quantized() const { return kind != kPanels; }
+  // whether it takes inputs of width K (the quantized kinds pad K to a multiple of 64)
+  bool takes(int64_t K) const { return kind == kPanels ? Kp == K : Kp >= K && Kp < K + 64; }
 
   // x's rows first, first + stride, ... quantized into xq (the panels read x as it is)
   template <typename T>
@@ -156,7 +158,8 @@ class DecodeProgram {
     l.qkv = QLinear(qkv); l.o = QLinear(o); l.gate_up = QLinear(gate_up); l.down = QLinear(down);
     for (const QLinear* q : {&l.qkv, &l.o, &l.gate_up, &l.down})
       TORCH_CHECK(q->kind != QLinear::kPanels || dtype_ == torch::kBFloat16, "decode program: panels need bf16");
-    TORCH_CHECK(l.qkv.N == (Hq_ + 2 * Hk_) * D_ && l.o.N == H_ && l.gate_up.N == 2 * I_ && l.down.N == H_,
+    TORCH_CHECK(l.qkv.N == (Hq_ + 2 * Hk_) * D_ && l.o.N == H_ && l.gate_up.N == 2 * I_ && l.down.N == H_ &&
+                l.qkv.takes(H_) && l.o.takes(Hq_ * D_) && l.gate_up.takes(H_) && l.down.takes(I_),
                 "decode program: projection shapes");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_ &&
                 kv_cache.scalar_type() == dtype_ && kv_cache[0].is_contiguous() && kv_cache.stride(3) == D_,
