@@ -81,8 +81,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if get_parallel_state().world_size > 1:
         return "more than one rank"
     cfg = model.config
-    if cfg.qk_norm or cfg.sandwich_norms or cfg.embed_scale or cfg.attn_logit_softcapping or cfg.hidden_act != "silu":
-        return "the architecture has q/k norms, sandwich norms, scaled embeddings, capped scores or no SiLU"
+    if cfg.sandwich_norms or cfg.embed_scale or cfg.attn_logit_softcapping or cfg.hidden_act != "silu":
+        return "the architecture has sandwich norms, scaled embeddings, capped scores or no SiLU"
     if any(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)):
         return "sliding-window layers"
     emb = model.model.embed_tokens
@@ -113,13 +113,17 @@ def build_decode_program(model: torch.nn.Module) -> tuple[DecodeProgram | None, 
                for layer in m.layers]
     weights = [[_weights(lin) for lin in lins] for lins in linears]
     max_rows = min(w[1] for ws in weights for w in ws)  # type: ignore[index]
-    native = load_cpu_ext().DecodeProgram(  # type: ignore[union-attr]
-        m.embed_tokens.weight.detach(), m.norm.weight.detach(), first.rotary_emb.cos_sin_cache,
-        first.rotary_emb.interleaved, cfg.rms_norm_eps, first.attn.scale, first.attn.num_heads,
-        first.attn.num_kv_heads, first.head_dim, m.layers[0].mlp.down_proj.in_features, max_rows)
-    for layer, (qkv, o, gate_up, down) in zip(m.layers, weights):
-        attn = layer.self_attn
-        bias = attn.qkv_proj.bias.detach() if attn.qkv_proj.bias is not None else None
-        native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                         qkv[0], bias, o[0], gate_up[0], down[0], attn.attn.kv_cache)  # type: ignore[index]
+    try:
+        native = load_cpu_ext().DecodeProgram(  # type: ignore[union-attr]
+            m.embed_tokens.weight.detach(), m.norm.weight.detach(), first.rotary_emb.cos_sin_cache,
+            first.rotary_emb.interleaved, cfg.rms_norm_eps, first.attn.scale, first.attn.num_heads,
+            first.attn.num_kv_heads, first.head_dim, m.layers[0].mlp.down_proj.in_features, max_rows)
+        for layer, (qkv, o, gate_up, down) in zip(m.layers, weights):
+            attn = layer.self_attn
+            bias = attn.qkv_proj.bias.detach() if attn.qkv_proj.bias is not None else None
+            qk = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
+            native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                             qkv[0], bias, o[0], gate_up[0], down[0], attn.attn.kv_cache, *qk)  # type: ignore[index]
+    except RuntimeError as e:  # a shape the native code has no kernel for (e.g. an unusual head dim)
+        return None, f"the native program refused the model: {str(e).splitlines()[0]}"
     return DecodeProgram(native, max_rows), None

@@ -20,6 +20,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("MistralConfig", dict(sliding_window=12, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3-hd16": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),  # q/k norms, a head dim of 16
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
                                          norm_topk_prob=False, head_dim=16, mlp_only_layers=[1],

@@ -117,6 +117,7 @@ struct QLinear {
 
 struct Layer {
   torch::Tensor in_norm, post_norm, qkv_bias, qkv_bias_f, kv_cache;
+  torch::Tensor q_norm, k_norm;  // per-head RMSNorm of queries and keys before RoPE (Qwen3), or undefined
   QLinear qkv, o, gate_up, down;
 };
 
@@ -125,7 +126,7 @@ template <typename T>
 struct Scratch {
   std::vector<T> residual, act;  // [rows, hidden], [rows, max width]
   std::vector<float> buf, qf, acc, sc;
-  std::vector<T> rot;  // one rotated head
+  std::vector<T> rot, normed;  // one rotated head, one normed head
   std::vector<QuantRow> xq;
 };
 
@@ -147,8 +148,15 @@ class DecodeProgram {
 
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<torch::Tensor> qkv,
                  c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
-                 std::vector<torch::Tensor> down, torch::Tensor kv_cache) {
+                 std::vector<torch::Tensor> down, torch::Tensor kv_cache, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm) {
     Layer l;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode program: q and k norms together");
+    if (q_norm.has_value() && q_norm->defined()) {
+      TORCH_CHECK(q_norm->numel() == D_ && k_norm->numel() == D_, "decode program: q/k norms over the head dim");
+      l.q_norm = q_norm->to(dtype_).contiguous();
+      l.k_norm = k_norm->to(dtype_).contiguous();
+    }
     l.in_norm = in_norm.to(dtype_).contiguous();
     l.post_norm = post_norm.to(dtype_).contiguous();
     if (qkv_bias.has_value() && qkv_bias->defined()) {
@@ -229,7 +237,7 @@ class DecodeProgram {
     for (auto& s : scr) {  // sized here, outside the parallel region (no allocation inside it)
       if (!split) { s.residual.resize(M * H); s.act.resize(M * width); }
       s.buf.resize(H);
-      s.qf.resize(G * D); s.acc.resize(G * D); s.rot.resize(D);
+      s.qf.resize(G * D); s.acc.resize(G * D); s.rot.resize(D); s.normed.resize(D);
       if (int64_t(s.sc.size()) < G * maxL) s.sc.resize(G * maxL);
       if (!split && int64_t(s.xq.size()) < M) s.xq.resize(M);
     }
@@ -272,7 +280,13 @@ class DecodeProgram {
           const int64_t i = w / Hk, h = w % Hk;
           if (sp[i] < 0) continue;
           const T* row = qkv + i * qkv_n;
-          rotate_head<T>(row + Hq * D + h * D, cache + sp[i] * Hk * D + h * D, cs_all + pp[i] * rot, D, rot, interleaved_);
+          const T* key = row + Hq * D + h * D;
+          if (L.k_norm.defined()) {  // RMSNorm of the head, rounded to T, then RoPE (the layer path's order)
+            load_row<T>(key, nullptr, nullptr, S.qf.data(), D);
+            norm_row<T>(S.qf.data(), L.k_norm.data_ptr<T>(), S.normed.data(), D, eps_);
+            key = S.normed.data();
+          }
+          rotate_head<T>(key, cache + sp[i] * Hk * D + h * D, cs_all + pp[i] * rot, D, rot, interleaved_);
           std::memcpy(cache + plane + sp[i] * Hk * D + h * D, row + (Hq + Hk) * D + h * D, D * sizeof(T));
         }
 #pragma omp barrier
@@ -281,7 +295,13 @@ class DecodeProgram {
           const int64_t i = w / Hk, h = w % Hk;
           const T* row = qkv + i * qkv_n;
           for (int64_t g = 0; g < G; ++g) {
-            rotate_head<T>(row + (h * G + g) * D, S.rot.data(), cs_all + pp[i] * rot, D, rot, interleaved_);
+            const T* query = row + (h * G + g) * D;
+            if (L.q_norm.defined()) {
+              load_row<T>(query, nullptr, nullptr, S.acc.data(), D);
+              norm_row<T>(S.acc.data(), L.q_norm.data_ptr<T>(), S.normed.data(), D, eps_);
+              query = S.normed.data();
+            }
+            rotate_head<T>(query, S.rot.data(), cs_all + pp[i] * rot, D, rot, interleaved_);
             for (int64_t d = 0; d < D; ++d) S.qf[g * D + d] = f32(S.rot[d]);
           }
           group(S.qf.data(), G, cache + h * D, cache + plane + h * D, btp + sq[i] * maxb, 0, pp[i] + 1, bs,
@@ -353,7 +373,8 @@ void register_decode_program(py::module& m) {
            py::arg("scale"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("intermediate"), py::arg("max_rows"))
       .def("add_layer", &DecodeProgram::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("qkv"),
-           py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("kv_cache"))
+           py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("kv_cache"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def_property_readonly("num_layers", &DecodeProgram::num_layers)
       .def("run", &DecodeProgram::run, py::arg("input_ids"), py::arg("positions"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("token_seqs") = py::none(), py::call_guard<py::gil_scoped_release>());
