@@ -76,38 +76,56 @@ def int8_linear_ref(
 INT4_BLOCK = 32
 
 
-def quantize_int4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, Kp / 2], scale d [N, Kp / 32], min m [N, Kp / 32]), float32 scales, with
-    each weight ``~= d * q + m``, q in 0..15 (Q4_1's rule: m = block min, d = (max - min) / 15, so
-    the dequantized values of a Q4_1 tensor come back exactly). Kp is K rounded up to 64; in each
-    64-chunk of a row, byte j holds element j in its low nibble and element j + 32 in its high one."""
+INT4_PANEL = 16  # weight rows per panel
+INT4_BLOCK_BYTES = 384  # one block of a panel: 256 bytes of 4-bit values, then 16 d and 16 m (float32)
+
+
+def quantize_int4_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[ceil(N / 16), Kp / 32, 384] uint8: `weight` [N, K] as ``d * q + m`` per block of 32 of a row, q in
+    0..15 (Q4_1's rule: m = block min, d = (max - min) / 15, so the dequantized values of a Q4_1 tensor come
+    back exactly; Kp is K rounded up to 64, zero-padded), in panels of 16 rows. Per panel and block: 4 groups
+    of 64 bytes, where bytes 4i .. 4i + 3 of group v hold row i's elements 8v .. 8v + 3 in their low nibbles
+    and 8v + 4 .. 8v + 7 in their high ones (one `vpdpbusd` per group and nibble half covers 16 rows), then
+    the 16 rows' d and m as float32 bytes. Rows past N are zero."""
     w = weight.float()
     n, k = w.shape
-    kp = -(-k // 64) * 64
-    blocks = F.pad(w, (0, kp - k)).view(n, kp // INT4_BLOCK, INT4_BLOCK)
+    kp, npad = -(-k // 64) * 64, -(-n // INT4_PANEL) * INT4_PANEL
+    nb, panels = kp // INT4_BLOCK, npad // INT4_PANEL
+    blocks = F.pad(w, (0, kp - k)).view(n, nb, INT4_BLOCK)
     lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
     d = (hi - lo) / 15
     q = torch.where(d[..., None] > 0, torch.round((blocks - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]), 0)
-    q = q.clamp(0, 15).to(torch.uint8).view(n, kp // 64, 2, 32)
-    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kp // 2)
-    return packed.contiguous(), d.contiguous(), lo.contiguous()
+    q = F.pad(q.clamp(0, 15).to(torch.uint8), (0, 0, 0, 0, 0, npad - n))
+    q = q.view(panels, INT4_PANEL, nb, 4, 2, 4)  # panel, row, block, group, nibble half, byte
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(panels, nb, 256)
+
+    def per_panel(v: torch.Tensor) -> torch.Tensor:  # [N, nb] float32 -> [panels, nb, 64] bytes
+        v = F.pad(v, (0, 0, 0, npad - n)).view(panels, INT4_PANEL, nb).transpose(1, 2).contiguous()
+        return v.view(torch.uint8)
+
+    return torch.cat([nibbles, per_panel(d), per_panel(lo)], dim=-1).contiguous()
 
 
-def dequantize_int4_weight(packed: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> torch.Tensor:
-    """[N, Kp] float32 weights of `quantize_int4_weight`'s output."""
-    n, half = packed.shape
-    p = packed.view(n, half // 32, 32)
-    q = torch.stack([p & 0x0F, p >> 4], dim=2).reshape(n, half * 2 // INT4_BLOCK, INT4_BLOCK).float()
-    return (q * scale[..., None] + minv[..., None]).view(n, half * 2)
+def dequantize_int4_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, Kp] float32 weights of `quantize_int4_weight`'s output."""
+    panels, nb, _ = packed.shape
+    nibbles = packed[..., :256].reshape(panels, nb, 4, INT4_PANEL, 4)  # panel, block, group, row, byte
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # panel, block, group, row, half, byte
+    q = q.permute(0, 3, 1, 2, 4, 5).reshape(panels * INT4_PANEL, nb, INT4_BLOCK).float()
+
+    def per_row(lo: int) -> torch.Tensor:  # [panels * 16, nb] float32
+        v = packed[..., lo:lo + 64].contiguous().view(torch.float32)  # [panels, nb, 16]
+        return v.transpose(1, 2).reshape(panels * INT4_PANEL, nb)
+
+    w = q * per_row(256)[..., None] + per_row(320)[..., None]
+    return w.view(panels * INT4_PANEL, nb * INT4_BLOCK)[:n]
 
 
-def int4_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [..., K] @ dequantize(weight, scale, min).T (+ bias), x quantized like the kernel (blocks of 32)."""
-    k, kp = x.shape[-1], weight.shape[1] * 2
+def int4_linear_ref(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(weight, n).T (+ bias), x quantized like the kernel (blocks of 32)."""
+    k, kp = x.shape[-1], weight.shape[1] * INT4_BLOCK
     xq = quantize_activation(x.reshape(-1, k), kp, INT4_BLOCK)
-    y = xq @ dequantize_int4_weight(weight, scale, minv).t()
+    y = xq @ dequantize_int4_weight(weight, n).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)

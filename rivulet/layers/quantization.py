@@ -49,12 +49,16 @@ class WeightOnly:
     def __init__(self, method: str, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
         self.method, self.max_rows = method, max_rows
         w = weight.detach()
-        self.tensors = quantize_int8_weight(w) if method == "int8" else get_op("quantize_int4_weight")(w)
+        # int8: (weight, scale); int4: (panels,), whose last panel may hold rows past the weight's
+        self.tensors = quantize_int8_weight(w) if method == "int8" else (get_op("quantize_int4_weight")(w),)
+        self.out_features = w.shape[0]
         self._linear = get_op(f"{method}_linear")
         self.dense: Linear = F.linear  # big steps; prepack_model may swap in a packed weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= self.max_rows:
+            if self.method == "int4":
+                return self._linear(x, self.tensors[0], self.out_features, bias)
             return self._linear(x, *self.tensors, bias)
         return self.dense(x, weight, bias)
 

@@ -223,7 +223,29 @@ def test_int4_quantization_round_trips_q4_1_values() -> None:
     w = (q * d + m).view(n, k)
     from rivulet.kernels.quant import dequantize_int4_weight, quantize_int4_weight
 
-    torch.testing.assert_close(dequantize_int4_weight(*quantize_int4_weight(w)), w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dequantize_int4_weight(quantize_int4_weight(w), n), w, rtol=0, atol=1e-6)
+
+
+def test_int4_panel_layout() -> None:
+    """The bytes are where quant_linear.cpp says: row i of a panel, element 8v + j (j < 4) in the low nibble of
+    byte 64v + 4i + j of its block, element 8v + 4 + j in the high one; then the 16 rows' d and m; rows past N
+    (here 18 -> 32) zero."""
+    from rivulet.kernels.quant import quantize_int4_weight
+
+    n, k = 18, 64
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(2))
+    q[:, ::32], q[:, 1::32] = 0, 15  # every block spans 0..15: d = 1, m = -3
+    w = (q - 3).float()
+    packed = quantize_int4_weight(w)
+    assert packed.shape == (2, 2, 384) and packed.dtype == torch.uint8
+    for row, b, v, j in [(0, 0, 0, 0), (5, 1, 2, 3), (17, 1, 3, 1), (16, 0, 1, 2)]:
+        p, i = divmod(row, 16)
+        byte = int(packed[p, b, 64 * v + 4 * i + j])
+        assert byte & 0x0F == q[row, 32 * b + 8 * v + j] and byte >> 4 == q[row, 32 * b + 8 * v + 4 + j]
+        d, m = (packed[p, b, o + 4 * i:o + 4 * i + 4].view(torch.float32).item() for o in (256, 320))
+        assert (d, m) == (1.0, -3.0)
+    assert not packed[1, :, :256].view(2, 4, 16, 4)[:, :, 2:].any()  # rows 18..31: no nibbles
+    assert not packed[1, :, 256:].view(2, 2, 16, 4)[:, :, 2:].any()  # nor d, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,26 +256,31 @@ def test_int4_quantizer_is_the_reference_bitwise(dtype: torch.dtype, n: int, k: 
     w = (randn(n, k, dtype=torch.float32, seed=6) * 0.05).to(dtype)
     w[0, :32] = 0.25  # a constant block: d = 0, every q = 0
     w[1, 32:64] = torch.linspace(-1, 1, 32)  # values on the rounding boundaries of (w - m) / d
-    for got, want in zip(ext.quantize_int4(w), quantize_int4_weight(w)):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    got, want = ext.quantize_int4(w), quantize_int4_weight(w)
+    assert got.dtype == want.dtype == torch.uint8 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 4, 6])
+@pytest.mark.parametrize("m", [1, 4, 6, 8, 11])
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])
 def test_int4_linear_matches_reference(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    """Close to the reference arithmetic and to the float product; each row's numbers do not depend on the
+    rows beside it (tiles of up to 8 rows share the weight loads)."""
     from rivulet.kernels.quant import int4_linear_ref, quantize_int4_weight
 
     w = randn(n, k, dtype=torch.float32, seed=3) * 0.1
-    packed, scale, minv = quantize_int4_weight(w)
+    packed = quantize_int4_weight(w)
     x, bias = randn(m, k, dtype=dtype, seed=4), randn(n, dtype=dtype, seed=5)
     for b in (None, bias):
-        got = ext.int4_linear(x, packed, scale, minv, b)
-        want = int4_linear_ref(x, packed, scale, minv, b)
+        got = ext.int4_linear(x, packed, n, b)
+        want = int4_linear_ref(x, packed, n, b)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+        assert torch.equal(torch.cat([ext.int4_linear(x[i:i + 1], packed, n, b) for i in range(m)]), got)
     exact = x.float() @ w.t()
-    assert ((ext.int4_linear(x, packed, scale, minv, None).float() - exact).abs().max() / exact.abs().max()) < 0.15
+    assert ((ext.int4_linear(x, packed, n, None).float() - exact).abs().max() / exact.abs().max()) < 0.15
+    with pytest.raises(RuntimeError, match="panels do not hold"):
+        ext.int4_linear(x, packed, n + 16, None)
 
 
 

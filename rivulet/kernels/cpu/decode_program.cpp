@@ -46,8 +46,9 @@ namespace {
 
 constexpr int64_t kRedundantRows = 4;  // up to this many rows every thread does the row work itself
 
-// One linear: weight-only int8 (w, scale) or int4 (w, d, m), or bf16 weights packed in panels
-// ([N/16, K/2, 32], bf16_linear.cpp's layout; bf16 activations only).
+// One linear of N outputs: weight-only int8 (w, scale) or int4 (panels of 16 rows, quant_linear.cpp's
+// layout), or bf16 weights packed in panels ([N/16, K/2, 32], bf16_linear.cpp's layout; bf16
+// activations only).
 struct QLinear {
   enum Kind { kInt8, kInt4, kPanels };
   std::vector<torch::Tensor> keep;
@@ -57,29 +58,31 @@ struct QLinear {
   Int4Format f4{};
 
   QLinear() = default;
-  QLinear(const std::vector<torch::Tensor>& t) : keep(t) {
-    TORCH_CHECK(t.size() >= 1 && t.size() <= 3, "decode program: a linear is (w, scale), (w, d, m) or (panels)");
+  QLinear(const std::vector<torch::Tensor>& t, int64_t n) : keep(t), N(n) {
+    TORCH_CHECK(t.size() == 1 || t.size() == 2,
+                "decode program: a linear is (w, scale), (int4 panels) or (bf16 panels)");
     for (const auto& x : t) TORCH_CHECK(x.is_contiguous(), "decode program: contiguous weights");
-    if (t.size() == 1) {
+    if (t.size() == 2) {
+      kind = kInt8;
+      TORCH_CHECK(t[0].dim() == 2 && t[0].size(0) == N, "decode program: int8 weight [N, Kp]");
+      Kp = t[0].size(1);
+      f8 = Int8Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), Kp, Kp / 64};
+    } else if (t[0].scalar_type() == torch::kUInt8) {
+      kind = kInt4;
+      TORCH_CHECK(t[0].dim() == 3 && t[0].size(2) == Int4Format::kBlockBytes &&
+                  t[0].size(0) == (N + Int4Format::kPanel - 1) / Int4Format::kPanel,
+                  "decode program: int4 panels [ceil(N/16), Kp/32, 384]");
+      Kp = t[0].size(1) * Int4Format::kBlock;
+      f4 = Int4Format{t[0].data_ptr<uint8_t>(), t[0].size(1)};
+    } else {
 #ifdef RIVULET_BF16_PANELS
-      TORCH_CHECK(t[0].dim() == 3 && t[0].size(2) == 32 && t[0].scalar_type() == torch::kBFloat16,
-                  "decode program: bf16 panels [N/16, K/2, 32]");
+      TORCH_CHECK(t[0].dim() == 3 && t[0].size(2) == 32 && t[0].scalar_type() == torch::kBFloat16 &&
+                  t[0].size(0) * 16 == N, "decode program: bf16 panels [N/16, K/2, 32]");
       kind = kPanels;
-      N = t[0].size(0) * 16;
       Kp = t[0].size(1) * 2;
-      return;
 #else
       TORCH_CHECK(false, "decode program: bf16 panels need AVX512-BF16");
 #endif
-    }
-    kind = t.size() == 3 ? kInt4 : kInt8;
-    N = t[0].size(0);
-    if (kind == kInt4) {
-      Kp = t[0].size(1) * 2;
-      f4 = Int4Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), t[2].data_ptr<float>(), Kp / 2, Kp / 32};
-    } else {
-      Kp = t[0].size(1);
-      f8 = Int8Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), Kp, Kp / 64};
     }
   }
 
@@ -109,9 +112,14 @@ struct QLinear {
 #endif
       return;
     }
+    if (kind == kInt4) {
+      const int64_t P = (N + Int4Format::kPanel - 1) / Int4Format::kPanel, chunk = (P + nthr - 1) / nthr;
+      const int64_t p0 = std::min(P, tid * chunk);
+      gemv_panels<T>(f4, xq, M, p0, std::min(P, p0 + chunk), bias, y, N);
+      return;
+    }
     const int64_t chunk = (N + nthr - 1) / nthr, n0 = std::min(N, tid * chunk), n1 = std::min(N, n0 + chunk);
-    if (kind == kInt4) gemv_rows<T>(f4, xq, M, n0, n1, bias, y, N);
-    else gemv_rows<T>(f8, xq, M, n0, n1, bias, y, N);
+    gemv_rows<T>(f8, xq, M, n0, n1, bias, y, N);
   }
 };
 
@@ -163,11 +171,11 @@ class DecodeProgram {
       l.qkv_bias = qkv_bias->to(dtype_).contiguous();
       l.qkv_bias_f = qkv_bias->to(torch::kFloat).contiguous();
     }
-    l.qkv = QLinear(qkv); l.o = QLinear(o); l.gate_up = QLinear(gate_up); l.down = QLinear(down);
+    l.qkv = QLinear(qkv, (Hq_ + 2 * Hk_) * D_); l.o = QLinear(o, H_);
+    l.gate_up = QLinear(gate_up, 2 * I_); l.down = QLinear(down, H_);
     for (const QLinear* q : {&l.qkv, &l.o, &l.gate_up, &l.down})
       TORCH_CHECK(q->kind != QLinear::kPanels || dtype_ == torch::kBFloat16, "decode program: panels need bf16");
-    TORCH_CHECK(l.qkv.N == (Hq_ + 2 * Hk_) * D_ && l.o.N == H_ && l.gate_up.N == 2 * I_ && l.down.N == H_ &&
-                l.qkv.takes(H_) && l.o.takes(Hq_ * D_) && l.gate_up.takes(H_) && l.down.takes(I_),
+    TORCH_CHECK(l.qkv.takes(H_) && l.o.takes(Hq_ * D_) && l.gate_up.takes(H_) && l.down.takes(I_),
                 "decode program: projection shapes");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_ &&
                 kv_cache.scalar_type() == dtype_ && kv_cache[0].is_contiguous() && kv_cache.stride(3) == D_,

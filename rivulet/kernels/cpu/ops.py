@@ -74,8 +74,8 @@ if AVAILABLE:
         return _linear_fake(x, w.shape[0])
 
     @torch.library.register_fake("rivulet::int4_linear")
-    def _(x, w, scale, minv, bias=None):
-        return _linear_fake(x, w.shape[0])
+    def _(x, w, n: int, bias=None):
+        return _linear_fake(x, n)
 
     if hasattr(_ext, "bf16_linear"):
         @torch.library.register_fake("rivulet::bf16_linear")
@@ -95,16 +95,13 @@ def int8_linear(
     return _int8_linear(x.reshape(-1, k), weight, scale, bias).reshape(*x.shape[:-1], -1)
 
 
-def quantize_int4_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    packed, d, m = _ext.quantize_int4(weight.detach())
-    return packed, d, m
+def quantize_int4_weight(weight: torch.Tensor) -> torch.Tensor:
+    return _ext.quantize_int4(weight.detach())
 
 
-def int4_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[-1]
-    return _int4_linear(x.reshape(-1, k), weight, scale, minv, bias).reshape(*x.shape[:-1], -1)
+    return _int4_linear(x.reshape(-1, k), weight, n, bias).reshape(*x.shape[:-1], -1)
 
 
 _GGUF_KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}

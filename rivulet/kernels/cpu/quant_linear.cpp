@@ -8,18 +8,25 @@
 //          dot_b = sum_k u8(W)[n,k] * xq[k] = sum_k s8(W)[n,k] xq[k] + 128 * xsum[b]
 //          y[n]  = sum_b ws[n,b] * sx[b] * (dot_b - 128 * xsum[b])
 // int4:  W = d * q + m with q in 0..15, d and m per block of 32 of a row (llama.cpp's Q4_1, so a
-//        Q4_1 GGUF tensor is represented exactly); two nibbles per byte, byte j of each 64-chunk
-//        holding elements j (low nibble) and j + 32 (high nibble):
+//        Q4_1 GGUF tensor is represented exactly), stored in panels of 16 rows, w [P = ceil(N / 16),
+//        Kp / 32, 384] uint8: per panel and block, 4 groups of 64 bytes where bytes 4i .. 4i + 3 of
+//        group v hold row i's elements 8v .. 8v + 3 (low nibbles) and 8v + 4 .. 8v + 7 (high ones),
+//        then the 16 rows' d and m (float32). Rows past N are zero.
 //          y[n]  = sum_b sx[b] * (d[n,b] * dot(q, xq)_b + m[n,b] * xsum[b])
-//        taken 8 blocks at a time: the block dots of 4 chunks gathered into one vector, then two
-//        vector FMAs (no scalar work per block), 1.2-1.5x the per-block scalar scaling (docs/cpu.md).
-// Both read the weight rows a few rows ahead (software prefetch: ~1.2x at decode sizes, where the
+//        A group's low (high) nibbles times 4 activation bytes broadcast is one vpdpbusd for 16
+//        rows, so each lane of the sums is one output: no horizontal sums per block, and the
+//        unpacked weights are shared by up to 8 activation rows (a 5-token verify step's int4
+//        linears: ~3x the compute of one row per weight row before; docs/cpu.md). One stream of
+//        bytes per panel, read 8 blocks ahead.
+// int8 reads the weight rows a few rows ahead (software prefetch: ~1.2x at decode sizes, where the
 // weights stream from memory).
 // Without AVX512-VNNI scalar loops compute the same numbers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_gemv.h"
@@ -38,7 +45,12 @@ torch::Tensor run(const torch::Tensor& x_in, const Fmt& fmt, int64_t N, int64_t 
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, Kp, Fmt::kBlock, xq[m]);
   });
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows<T>(fmt, xq.data(), M, n0, n1, bp, yp, N); });
+  if constexpr (std::is_same_v<Fmt, Int4Format>) {
+    at::parallel_for(0, (N + Int4Format::kPanel - 1) / Int4Format::kPanel, 1,
+                     [&](int64_t p0, int64_t p1) { gemv_panels<T>(fmt, xq.data(), M, p0, p1, bp, yp, N); });
+  } else {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows<T>(fmt, xq.data(), M, n0, n1, bp, yp, N); });
+  }
   return y;
 }
 
@@ -69,71 +81,66 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   return dispatch(x, fmt, N, Kp, bias);
 }
 
-// w [N, Kp / 2] uint8 (two 4-bit values per byte); scale, min [N, Kp / 32] float32.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor minv,
-                          c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "int4_linear: w [N, Kp/2] uint8");
-  const int64_t N = w.size(0), Kp = w.size(1) * 2;
+// w [ceil(n / 16), Kp / 32, 384] uint8: the panels above.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+              w.size(2) == Int4Format::kBlockBytes, "int4_linear: w [ceil(N/16), Kp/32, 384] uint8");
+  TORCH_CHECK(n > 0 && (n + Int4Format::kPanel - 1) / Int4Format::kPanel == w.size(0),
+              "int4_linear: ", w.size(0), " panels do not hold ", n, " rows");
+  const int64_t Kp = w.size(1) * Int4Format::kBlock;
   check_x(x, Kp);
-  for (const auto* t : {&scale, &minv})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == N * (Kp / 32),
-                "int4_linear: scale/min [N, Kp/32] float32");
-  Int4Format fmt{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), minv.data_ptr<float>(), Kp / 2, Kp / 32};
-  return dispatch(x, fmt, N, Kp, bias);
+  Int4Format fmt{w.data_ptr<uint8_t>(), w.size(1)};
+  return dispatch(x, fmt, n, Kp, bias);
 }
 
 // quantize_int4_weight (rivulet/kernels/quant.py) in one pass over the weight, with the same float32
 // operations in the same order (so the same bits): per block of 32 (K zero-padded to a multiple of
 // 64) m = min, d = (max - min) / 15, q = round-half-even((w - m) / d) clamped to 0..15 (0 where
-// d == 0); byte j of each 64-chunk holds q[j] | q[j + 32] << 4. Returns (packed, d, m).
+// d == 0), written into the panel layout above.
 template <typename T>
-void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t Kp, uint8_t* packed, float* d, float* m) {
-  const int64_t nb = Kp / 32;
+void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t nb, uint8_t* out) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float blk[32];
-    uint8_t q[64];
     for (int64_t n = n0; n < n1; ++n) {
       const T* row = w + n * K;
-      for (int64_t c = 0; c < Kp / 64; ++c) {
-        for (int h = 0; h < 2; ++h) {
-          const int64_t b = 2 * c + h, k0 = b * 32;
-          float lo = INFINITY, hi = -INFINITY;
-          for (int j = 0; j < 32; ++j) {
-            blk[j] = k0 + j < K ? to_float(row[k0 + j]) : 0.f;
-            lo = std::min(lo, blk[j]);
-            hi = std::max(hi, blk[j]);
-          }
-          const float dd = (hi - lo) / 15.f;
-          d[n * nb + b] = dd;
-          m[n * nb + b] = lo;
-          for (int j = 0; j < 32; ++j) {
-            const float v = dd > 0.f ? std::nearbyint((blk[j] - lo) / dd) : 0.f;
-            q[h * 32 + j] = static_cast<uint8_t>(std::min(std::max(v, 0.f), 15.f));
-          }
+      const int64_t i = n % Int4Format::kPanel;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t k0 = b * 32;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int j = 0; j < 32; ++j) {
+          blk[j] = k0 + j < K ? to_float(row[k0 + j]) : 0.f;
+          lo = std::min(lo, blk[j]);
+          hi = std::max(hi, blk[j]);
         }
-        uint8_t* out = packed + n * (Kp / 2) + c * 32;
-        for (int j = 0; j < 32; ++j) out[j] = static_cast<uint8_t>(q[j] | (q[32 + j] << 4));
+        const float dd = (hi - lo) / 15.f;
+        uint8_t* dst = out + ((n / Int4Format::kPanel) * nb + b) * Int4Format::kBlockBytes;
+        std::memcpy(dst + 256 + 4 * i, &dd, 4);
+        std::memcpy(dst + 320 + 4 * i, &lo, 4);
+        uint8_t q[32];
+        for (int j = 0; j < 32; ++j) {
+          const float v = dd > 0.f ? std::nearbyint((blk[j] - lo) / dd) : 0.f;
+          q[j] = static_cast<uint8_t>(std::min(std::max(v, 0.f), 15.f));
+        }
+        for (int v = 0; v < 4; ++v)
+          for (int j = 0; j < 4; ++j) dst[v * 64 + i * 4 + j] = static_cast<uint8_t>(q[8 * v + j] | (q[8 * v + 4 + j] << 4));
       }
     }
   });
 }
 
-std::vector<torch::Tensor> quantize_int4(torch::Tensor weight) {
+torch::Tensor quantize_int4(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "quantize_int4: weight [N, K]");
   auto w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), Kp = (K + kChunk - 1) / kChunk * kChunk;
-  auto packed = torch::empty({N, Kp / 2}, w.options().dtype(torch::kUInt8));
-  auto d = torch::empty({N, Kp / 32}, w.options().dtype(torch::kFloat32));
-  auto m = torch::empty_like(d);
+  const int64_t N = w.size(0), K = w.size(1), Kp = (K + kChunk - 1) / kChunk * kChunk, nb = Kp / 32;
+  auto out = torch::zeros({(N + Int4Format::kPanel - 1) / Int4Format::kPanel, nb, Int4Format::kBlockBytes},
+                          w.options().dtype(torch::kUInt8));
   if (w.scalar_type() == torch::kBFloat16) {
-    quantize_int4_rows(w.data_ptr<at::BFloat16>(), N, K, Kp, packed.data_ptr<uint8_t>(), d.data_ptr<float>(),
-                       m.data_ptr<float>());
+    quantize_int4_rows(w.data_ptr<at::BFloat16>(), N, K, nb, out.data_ptr<uint8_t>());
   } else {
     auto wf = w.to(torch::kFloat32);
-    quantize_int4_rows(wf.data_ptr<float>(), N, K, Kp, packed.data_ptr<uint8_t>(), d.data_ptr<float>(),
-                       m.data_ptr<float>());
+    quantize_int4_rows(wf.data_ptr<float>(), N, K, nb, out.data_ptr<uint8_t>());
   }
-  return {packed, d, m};
+  return out;
 }
 
 bool has_vnni() {
@@ -153,7 +160,7 @@ void register_decode_program(py::module& m);
 
 TORCH_LIBRARY_FRAGMENT(rivulet, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor minv, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
   m.impl("int8_linear", &int8_linear);
@@ -170,7 +177,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear (VNNI)", py::arg("x"), py::arg("w"),
         py::arg("w_scale"), py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear, "weight-only 4-bit (Q4_1-style) linear (VNNI)", py::arg("x"), py::arg("w"),
-        py::arg("scale"), py::arg("minv"), py::arg("bias") = py::none());
+        py::arg("n"), py::arg("bias") = py::none());
   m.def("quantize_int4", &quantize_int4, "quantize_int4_weight in one pass (same bits)", py::arg("weight"));
   m.def("has_vnni", &has_vnni);
 }

@@ -1,0 +1,87 @@
+"""The int4 weight-only kernel at small step sizes, in process, 2 threads:
+
+- `linears`: the default model's 120 int4 linears (QKV, o, gate_up, down of 30 layers; random weights of the
+  same shapes) at M rows, against the bf16 matmul on packed weights that bigger steps use;
+- `steps`: the default model's whole step of M tokens after 128 tokens of context (`--quantization int4`,
+  bf16, logits of every row, as a verify step of M - 1 drafts has), median of 60.
+
+    python benchmarks/int4_kernel.py --json benchmarks/results/int4_panels/after.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from rivulet.config import CacheConfig, ModelConfig
+from rivulet.kernels.ops import get_op
+from rivulet.layers.quantization import WeightOnly
+from rivulet.models.loader import resolve_model
+from rivulet.worker.batch import SeqChunk
+from rivulet.worker.model_runner import ModelRunner
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one layer's linears
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def linears(rows: list[int]) -> dict:
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for n, k in SHAPES * 30]
+    int4 = [WeightOnly("int4", w, max_rows=1 << 20) for w in weights]
+    pack, packed_linear = get_op("pack_linear_weight"), get_op("packed_linear")
+    packed = [pack(w) for w in weights]
+    out = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        a = median_ms(lambda: [q(xs[w.shape[1]], w, None) for q, w in zip(int4, weights)], 9)
+        b = median_ms(lambda: [packed_linear(xs[w.shape[1]], p, None) if p is not None else None
+                               for p, w in zip(packed, weights)], 9)
+        out[m] = {"int4_ms": round(a, 3), "bf16_packed_ms": round(b, 3)}
+        print(f"linears M={m}: int4 {a:.2f} ms, bf16 packed {b:.2f} ms", flush=True)
+    return out
+
+
+def steps(rows: list[int], context: int = 128) -> dict:
+    runner = ModelRunner(ModelConfig(model="default", dtype="bfloat16", quantization="int4"),
+                         CacheConfig(block_size=16), resolve_model("default"))
+    runner.allocate_kv_cache(64)
+    table = list(range(16))
+    runner.forward([SeqChunk(list(range(1, context + 1)), 0, table)])
+    out = {}
+    for m in rows:
+        ms = median_ms(lambda: runner.forward([SeqChunk(list(range(5, 5 + m)), context, table)], all_logits=True), 60)
+        out[m] = round(ms, 3)
+        print(f"step M={m}: {ms:.2f} ms", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    rows = [int(r) for r in args.rows.split(",")]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"commit": commit, "linears": linears(rows), "steps": steps([r for r in rows if r <= 8])}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
