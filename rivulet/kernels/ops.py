@@ -23,7 +23,7 @@ from rivulet.kernels.lora import add_lora_ref
 from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, fp8_linear_ref, int4_linear_ref, int8_linear_ref,
-                                   quantize_int4_weight)
+                                   quantize_int4_weight, quantize_int8_weight)
 from rivulet.kernels.rotary import apply_rotary_ref
 
 OpImpl = Callable[..., object]
@@ -54,6 +54,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "int8_linear": {"torch": int8_linear_ref, "cpu": f"{_CPU}:int8_linear"},
     "int4_linear": {"torch": int4_linear_ref, "cpu": f"{_CPU}:int4_linear"},
     "quantize_int4_weight": {"torch": quantize_int4_weight, "cpu": f"{_CPU}:quantize_int4_weight"},
+    "quantize_int8_weight": {"torch": quantize_int8_weight},
     "dequantize_gguf_blocks": {"torch": dequantize_gguf_blocks_ref, "cpu": f"{_CPU}:dequantize_gguf_blocks"},
     # a backend's own weight layout for dense linears (None: keep the plain [N, K] weight)
     "pack_linear_weight": {"torch": pack_linear_weight_ref, "cpu": f"{_CPU}:pack_linear_weight"},

@@ -36,17 +36,53 @@ def fp8_linear_ref(
 INT8_BLOCK = 64
 
 
-def quantize_int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offset-binary uint8 weight [N, Kp], float32 scale [N, Kp / 64]): each block of 64 weights
-    of a row is ``(w_u8 - 128) * scale`` with a symmetric scale (llama.cpp's Q8_0 with 64-blocks);
-    Kp is K rounded up to 64, padded with 128 (zero)."""
+INT_PANEL = 16  # weight rows per panel of the int8 and int4 layouts
+INT8_BLOCK_BYTES = 1088  # one block of a panel: 16 groups of 64 bytes, then the 16 rows' scales (float32)
+
+
+def _panel_rows(v: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """[N, blocks, ...] -> [ceil(N / 16), 16, blocks, ...], rows past N `fill`."""
+    n = v.shape[0]
+    panels = -(-n // INT_PANEL)
+    v = torch.cat([v, v.new_full((panels * INT_PANEL - n, *v.shape[1:]), fill)])
+    return v.view(panels, INT_PANEL, *v.shape[1:])
+
+
+def _scale_bytes(v: torch.Tensor) -> torch.Tensor:
+    """float32 [N, blocks] -> [ceil(N / 16), blocks, 64]: each block's 16 values as bytes."""
+    return _panel_rows(v.float()).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _rows_of_scales(packed: torch.Tensor, lo: int) -> torch.Tensor:
+    """The float32 [panels * 16, blocks] stored at bytes lo .. lo + 63 of each block."""
+    panels, nb, _ = packed.shape
+    return packed[..., lo:lo + 64].contiguous().view(torch.float32).transpose(1, 2).reshape(panels * INT_PANEL, nb)
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[ceil(N / 16), Kp / 64, 1088] uint8: each block of 64 weights of a row as offset-binary bytes
+    ``(w_u8 - 128) * scale`` with a symmetric scale (llama.cpp's Q8_0 with 64-blocks; Kp is K rounded up to
+    64, padded with 128, zero), in panels of 16 rows: per panel and block, 16 groups of 64 bytes where
+    bytes 4i .. 4i + 3 of group g hold row i's elements 4g .. 4g + 3 (one `vpdpbusd` per group covers 16
+    rows), then the 16 rows' scales as float32 bytes. Rows past N: weights 128, scale 0."""
     w = weight.float()
     n, k = w.shape
     kp = -(-k // INT8_BLOCK) * INT8_BLOCK
     blocks = F.pad(w, (0, kp - k)).view(n, kp // INT8_BLOCK, INT8_BLOCK)
     scale = (blocks.abs().amax(dim=-1) / 127).clamp(min=1e-12)
-    q = torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128
-    return q.to(torch.uint8).view(n, kp).contiguous(), scale.contiguous()
+    q = (torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128).to(torch.uint8)
+    q = _panel_rows(q.view(n, kp // INT8_BLOCK, 16, 4), fill=128)  # panel, row, block, group, byte
+    groups = q.permute(0, 2, 3, 1, 4).reshape(q.shape[0], kp // INT8_BLOCK, 1024)
+    return torch.cat([groups, _scale_bytes(scale)], dim=-1).contiguous()
+
+
+def dequantize_int8_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, Kp] float32 weights of `quantize_int8_weight`'s output."""
+    panels, nb, size = packed.shape
+    assert size == INT8_BLOCK_BYTES, f"int8 panels have blocks of {INT8_BLOCK_BYTES} bytes, not {size}"
+    q = packed[..., :1024].reshape(panels, nb, 16, INT_PANEL, 4).permute(0, 3, 1, 2, 4)  # panel, row, block, g, b
+    q = q.reshape(panels * INT_PANEL, nb, INT8_BLOCK).float() - 128
+    return (q * _rows_of_scales(packed, 1024)[..., None]).view(panels * INT_PANEL, nb * INT8_BLOCK)[:n]
 
 
 def quantize_activation(x: torch.Tensor, kp: int, block: int) -> torch.Tensor:
@@ -59,14 +95,11 @@ def quantize_activation(x: torch.Tensor, kp: int, block: int) -> torch.Tensor:
     return (q * s).view(m, kp)
 
 
-def int8_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [..., K] @ dequantize(weight [N, Kp], scale [N, Kp / 64]).T (+ bias), x quantized like the kernel."""
-    k, kp = x.shape[-1], weight.shape[1]
+def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_int8_weight(weight, n).T (+ bias), x quantized like the kernel."""
+    k, kp = x.shape[-1], weight.shape[1] * INT8_BLOCK
     xq = quantize_activation(x.reshape(-1, k), kp, INT8_BLOCK)
-    w = (weight.float() - 128) * scale.repeat_interleave(INT8_BLOCK, dim=1)
-    y = xq @ w.t()
+    y = xq @ dequantize_int8_weight(weight, n).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -76,7 +109,6 @@ def int8_linear_ref(
 INT4_BLOCK = 32
 
 
-INT4_PANEL = 16  # weight rows per panel
 INT4_BLOCK_BYTES = 384  # one block of a panel: 256 bytes of 4-bit values, then 16 d and 16 m (float32)
 
 
@@ -89,36 +121,26 @@ def quantize_int4_weight(weight: torch.Tensor) -> torch.Tensor:
     the 16 rows' d and m as float32 bytes. Rows past N are zero."""
     w = weight.float()
     n, k = w.shape
-    kp, npad = -(-k // 64) * 64, -(-n // INT4_PANEL) * INT4_PANEL
-    nb, panels = kp // INT4_BLOCK, npad // INT4_PANEL
+    kp = -(-k // 64) * 64
+    nb = kp // INT4_BLOCK
     blocks = F.pad(w, (0, kp - k)).view(n, nb, INT4_BLOCK)
     lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
     d = (hi - lo) / 15
     q = torch.where(d[..., None] > 0, torch.round((blocks - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]), 0)
-    q = F.pad(q.clamp(0, 15).to(torch.uint8), (0, 0, 0, 0, 0, npad - n))
-    q = q.view(panels, INT4_PANEL, nb, 4, 2, 4)  # panel, row, block, group, nibble half, byte
-    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(panels, nb, 256)
-
-    def per_panel(v: torch.Tensor) -> torch.Tensor:  # [N, nb] float32 -> [panels, nb, 64] bytes
-        v = F.pad(v, (0, 0, 0, npad - n)).view(panels, INT4_PANEL, nb).transpose(1, 2).contiguous()
-        return v.view(torch.uint8)
-
-    return torch.cat([nibbles, per_panel(d), per_panel(lo)], dim=-1).contiguous()
+    q = _panel_rows(q.clamp(0, 15).to(torch.uint8).view(n, nb, 4, 2, 4))  # panel, row, block, group, half, byte
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(q.shape[0], nb, 256)
+    return torch.cat([nibbles, _scale_bytes(d), _scale_bytes(lo)], dim=-1).contiguous()
 
 
 def dequantize_int4_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
     """[n, Kp] float32 weights of `quantize_int4_weight`'s output."""
-    panels, nb, _ = packed.shape
-    nibbles = packed[..., :256].reshape(panels, nb, 4, INT4_PANEL, 4)  # panel, block, group, row, byte
+    panels, nb, size = packed.shape
+    assert size == INT4_BLOCK_BYTES, f"int4 panels have blocks of {INT4_BLOCK_BYTES} bytes, not {size}"
+    nibbles = packed[..., :256].reshape(panels, nb, 4, INT_PANEL, 4)  # panel, block, group, row, byte
     q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # panel, block, group, row, half, byte
-    q = q.permute(0, 3, 1, 2, 4, 5).reshape(panels * INT4_PANEL, nb, INT4_BLOCK).float()
-
-    def per_row(lo: int) -> torch.Tensor:  # [panels * 16, nb] float32
-        v = packed[..., lo:lo + 64].contiguous().view(torch.float32)  # [panels, nb, 16]
-        return v.transpose(1, 2).reshape(panels * INT4_PANEL, nb)
-
-    w = q * per_row(256)[..., None] + per_row(320)[..., None]
-    return w.view(panels * INT4_PANEL, nb * INT4_BLOCK)[:n]
+    q = q.permute(0, 3, 1, 2, 4, 5).reshape(panels * INT_PANEL, nb, INT4_BLOCK).float()
+    w = q * _rows_of_scales(packed, 256)[..., None] + _rows_of_scales(packed, 320)[..., None]
+    return w.view(panels * INT_PANEL, nb * INT4_BLOCK)[:n]
 
 
 def int4_linear_ref(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

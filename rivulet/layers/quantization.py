@@ -32,7 +32,6 @@ from torch import nn
 
 from rivulet.config import RivuletError
 from rivulet.kernels.ops import get_op
-from rivulet.kernels.quant import quantize_int8_weight
 from rivulet.layers.embedding import ParallelLMHead
 from rivulet.layers.moe import FusedMoE
 from rivulet.layers.linear import LinearBase
@@ -49,22 +48,19 @@ class WeightOnly:
     def __init__(self, method: str, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
         self.method, self.max_rows = method, max_rows
         w = weight.detach()
-        # int8: (weight, scale); int4: (panels,), whose last panel may hold rows past the weight's
-        self.tensors = quantize_int8_weight(w) if method == "int8" else (get_op("quantize_int4_weight")(w),)
-        self.out_features = w.shape[0]
+        self.out_features = w.shape[0]  # the last panel of 16 rows may hold rows past it
+        self.panels: torch.Tensor = get_op(f"quantize_{method}_weight")(w)
         self._linear = get_op(f"{method}_linear")
         self.dense: Linear = F.linear  # big steps; prepack_model may swap in a packed weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= self.max_rows:
-            if self.method == "int4":
-                return self._linear(x, self.tensors[0], self.out_features, bias)
-            return self._linear(x, *self.tensors, bias)
+            return self._linear(x, self.panels, self.out_features, bias)
         return self.dense(x, weight, bias)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return self.panels.numel()
 
 
 def quantize_model(model: nn.Module, method: str | None) -> int:
@@ -80,8 +76,8 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         if getattr(module, "quantizable", False) and getattr(module, "weight", None) is not None:
             m = "int8" if method == "int4" and isinstance(module, ParallelLMHead) else method
             module.quant = WeightOnly(m, module.weight)
-            for i, t in enumerate(module.quant.tensors):  # buffers, so that the platform can place them
-                module.register_buffer(f"quant_{i}", t, persistent=False)
+            # a buffer, so that the platform can place it
+            module.register_buffer("quant_panels", module.quant.panels, persistent=False)
             total += module.quant.nbytes
     return total
 

@@ -55,17 +55,18 @@ class DecodeProgram:
         return self.native.run(input_ids, positions, meta.slot_mapping, meta.block_tables, seqs)  # type: ignore[attr-defined]
 
 
-def _weights(linear: torch.nn.Module) -> tuple[list[torch.Tensor], int] | None:
-    """A linear's weights as the program reads them, and the most rows it serves; None if it cannot."""
+def _weights(linear: torch.nn.Module) -> tuple[torch.Tensor, int] | None:
+    """A linear's weight as the program reads it (int8/int4 or bf16 panels), and the most rows it serves;
+    None if it cannot."""
     quant = getattr(linear, "quant", None)
     if getattr(linear, "lora", None) is not None:
         return None
     if isinstance(quant, WeightOnly):
-        return list(quant.tensors), quant.max_rows
+        return quant.panels, quant.max_rows
     packed = quant.packed if isinstance(quant, Prepacked) else None
     if packed is not None and packed.dim() == 3 and packed.dtype == torch.bfloat16 and getattr(
             load_cpu_ext(), "DECODE_PROGRAM_PANELS", False):
-        return [packed], PANEL_MAX_ROWS
+        return packed, PANEL_MAX_ROWS
     return None
 
 

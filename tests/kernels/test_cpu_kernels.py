@@ -197,20 +197,43 @@ def test_long_bf16_prefill_attention_matches_reference(hq: int, hk: int, d: int,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 4, 9])  # below, at and across the kernel's 4-row tile
+@pytest.mark.parametrize("m", [1, 3, 8, 11])  # below, at and across the kernel's 8-row tile
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])  # K not a multiple of 64 too
 def test_int8_linear_matches_reference(dtype: torch.dtype, m: int, n: int, k: int) -> None:
     w = randn(n, k, dtype=torch.float32, seed=3) * 0.1
-    wq, scale = quantize_int8_weight(w)
+    wq = quantize_int8_weight(w)
     x, bias = randn(m, k, dtype=dtype, seed=4), randn(n, dtype=dtype, seed=5)
     for b in (None, bias):
-        got = ext.int8_linear(x, wq, scale, b)
-        want = int8_linear_ref(x, wq, scale, b)
+        got = ext.int8_linear(x, wq, n, b)
+        want = int8_linear_ref(x, wq, n, b)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+        assert torch.equal(torch.cat([ext.int8_linear(x[i:i + 1], wq, n, b) for i in range(m)]), got)
     # and the quantization itself costs little against the float matmul
     exact = x.float() @ w.t()
-    assert ((ext.int8_linear(x, wq, scale, None).float() - exact).abs().max() / exact.abs().max()) < 0.03
+    assert ((ext.int8_linear(x, wq, n, None).float() - exact).abs().max() / exact.abs().max()) < 0.03
+    with pytest.raises(RuntimeError, match="panels do not hold"):
+        ext.int8_linear(x, wq, n + 16, None)
+
+
+def test_int8_panel_layout() -> None:
+    """The bytes are where quant_linear.cpp says: row i of a panel, element 4g + j of block b in byte
+    64g + 4i + j of the block (offset-binary), then the 16 rows' scales; rows past N (18 -> 32): 128, scale 0."""
+    from rivulet.kernels.quant import dequantize_int8_weight
+
+    n, k = 18, 128
+    q = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(2))
+    q[:, ::64] = 127  # every block's max is 127: scale = amax / 127 = 0.5
+    w = q.float() * 0.5
+    packed = quantize_int8_weight(w)
+    assert packed.shape == (2, 2, 1088) and packed.dtype == torch.uint8
+    for row, b, g, j in [(0, 0, 0, 0), (5, 1, 9, 3), (17, 1, 15, 1), (16, 0, 1, 2)]:
+        p, i = divmod(row, 16)
+        assert int(packed[p, b, 64 * g + 4 * i + j]) == q[row, 64 * b + 4 * g + j] + 128
+        assert packed[p, b, 1024 + 4 * i:1024 + 4 * i + 4].view(torch.float32).item() == 0.5
+    assert (packed[1, :, :1024].view(2, 16, 16, 4)[:, :, 2:] == 128).all()  # rows 18..31: zero weights
+    assert not packed[1, :, 1024:].view(2, 16, 4)[:, 2:].any()  # and scale 0
+    torch.testing.assert_close(dequantize_int8_weight(packed, n), w, rtol=0, atol=0)
 
 
 def test_int4_quantization_round_trips_q4_1_values() -> None:

@@ -123,7 +123,7 @@ def test_int4_holds_the_default_models_q4_1_blocks_exactly():
                   "self_attn.qkv_proj": layer.self_attn.qkv_proj.weight.detach()}
         for name, want in expect.items():
             linear = layer.get_submodule(name)
-            got = dequantize_int4_weight(*linear.quant.tensors, linear.quant.out_features)[:, :want.shape[1]]
+            got = dequantize_int4_weight(linear.quant.panels, linear.quant.out_features)[:, :want.shape[1]]
             assert torch.equal(got, want), f"layer {i} {name}: max |diff| {(got - want).abs().max().item()}"
         v = layer.self_attn.qkv_proj.weight.detach()[-blk("attn_v").shape[0]:]
         assert torch.equal(v, blk("attn_v"))  # the loaded weights are the file's

@@ -46,44 +46,37 @@ namespace {
 
 constexpr int64_t kRedundantRows = 4;  // up to this many rows every thread does the row work itself
 
-// One linear of N outputs: weight-only int8 (w, scale) or int4 (panels of 16 rows, quant_linear.cpp's
-// layout), or bf16 weights packed in panels ([N/16, K/2, 32], bf16_linear.cpp's layout; bf16
-// activations only).
+// One linear of N outputs: weight-only int8 or int4 (panels of 16 rows, quant_linear.cpp's layouts), or
+// bf16 weights packed in panels ([N/16, K/2, 32], bf16_linear.cpp's layout; bf16 activations only).
 struct QLinear {
   enum Kind { kInt8, kInt4, kPanels };
-  std::vector<torch::Tensor> keep;
+  torch::Tensor keep;
   Kind kind = kInt8;
   int64_t N = 0, Kp = 0;
   Int8Format f8{};
   Int4Format f4{};
 
   QLinear() = default;
-  QLinear(const std::vector<torch::Tensor>& t, int64_t n) : keep(t), N(n) {
-    TORCH_CHECK(t.size() == 1 || t.size() == 2,
-                "decode program: a linear is (w, scale), (int4 panels) or (bf16 panels)");
-    for (const auto& x : t) TORCH_CHECK(x.is_contiguous(), "decode program: contiguous weights");
-    if (t.size() == 2) {
-      kind = kInt8;
-      TORCH_CHECK(t[0].dim() == 2 && t[0].size(0) == N, "decode program: int8 weight [N, Kp]");
-      Kp = t[0].size(1);
-      f8 = Int8Format{t[0].data_ptr<uint8_t>(), t[1].data_ptr<float>(), Kp, Kp / 64};
-    } else if (t[0].scalar_type() == torch::kUInt8) {
-      kind = kInt4;
-      TORCH_CHECK(t[0].dim() == 3 && t[0].size(2) == Int4Format::kBlockBytes &&
-                  t[0].size(0) == (N + Int4Format::kPanel - 1) / Int4Format::kPanel,
-                  "decode program: int4 panels [ceil(N/16), Kp/32, 384]");
-      Kp = t[0].size(1) * Int4Format::kBlock;
-      f4 = Int4Format{t[0].data_ptr<uint8_t>(), t[0].size(1)};
-    } else {
-#ifdef RIVULET_BF16_PANELS
-      TORCH_CHECK(t[0].dim() == 3 && t[0].size(2) == 32 && t[0].scalar_type() == torch::kBFloat16 &&
-                  t[0].size(0) * 16 == N, "decode program: bf16 panels [N/16, K/2, 32]");
-      kind = kPanels;
-      Kp = t[0].size(1) * 2;
-#else
-      TORCH_CHECK(false, "decode program: bf16 panels need AVX512-BF16");
-#endif
+  QLinear(const torch::Tensor& w, int64_t n) : keep(w), N(n) {
+    TORCH_CHECK(w.is_contiguous() && w.dim() == 3, "decode program: a linear's weight is 3-d panels");
+    if (w.scalar_type() == torch::kUInt8) {
+      TORCH_CHECK(w.size(0) == (N + kQuantPanel - 1) / kQuantPanel &&
+                  (w.size(2) == Int8Format::kBlockBytes || w.size(2) == Int4Format::kBlockBytes),
+                  "decode program: int8/int4 panels [ceil(N/16), blocks, 1088 or 384]");
+      kind = w.size(2) == Int8Format::kBlockBytes ? kInt8 : kInt4;
+      Kp = w.size(1) * (kind == kInt8 ? Int8Format::kBlock : Int4Format::kBlock);
+      if (kind == kInt8) f8 = Int8Format{w.data_ptr<uint8_t>(), w.size(1)};
+      else f4 = Int4Format{w.data_ptr<uint8_t>(), w.size(1)};
+      return;
     }
+#ifdef RIVULET_BF16_PANELS
+    TORCH_CHECK(w.size(2) == 32 && w.scalar_type() == torch::kBFloat16 && w.size(0) * 16 == N,
+                "decode program: bf16 panels [N/16, K/2, 32]");
+    kind = kPanels;
+    Kp = w.size(1) * 2;
+#else
+    TORCH_CHECK(false, "decode program: bf16 panels need AVX512-BF16");
+#endif
   }
 
   bool quantized() const { return kind != kPanels; }
@@ -107,19 +100,14 @@ struct QLinear {
 #ifdef RIVULET_BF16_PANELS
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         const int64_t P = N / 16, chunk = (P + nthr - 1) / nthr, p0 = std::min(P, tid * chunk);
-        panel_rows(x, M, K, keep[0].data_ptr<at::BFloat16>(), p0, std::min(P, p0 + chunk), bias_f, y, N);
+        panel_rows(x, M, K, keep.data_ptr<at::BFloat16>(), p0, std::min(P, p0 + chunk), bias_f, y, N);
       }
 #endif
       return;
     }
-    if (kind == kInt4) {
-      const int64_t P = (N + Int4Format::kPanel - 1) / Int4Format::kPanel, chunk = (P + nthr - 1) / nthr;
-      const int64_t p0 = std::min(P, tid * chunk);
-      gemv_panels<T>(f4, xq, M, p0, std::min(P, p0 + chunk), bias, y, N);
-      return;
-    }
-    const int64_t chunk = (N + nthr - 1) / nthr, n0 = std::min(N, tid * chunk), n1 = std::min(N, n0 + chunk);
-    gemv_rows<T>(f8, xq, M, n0, n1, bias, y, N);
+    const int64_t P = (N + kQuantPanel - 1) / kQuantPanel, chunk = (P + nthr - 1) / nthr, p0 = std::min(P, tid * chunk);
+    if (kind == kInt4) gemv_panels<T>(f4, xq, M, p0, std::min(P, p0 + chunk), bias, y, N);
+    else gemv_panels<T>(f8, xq, M, p0, std::min(P, p0 + chunk), bias, y, N);
   }
 };
 
@@ -154,10 +142,10 @@ class DecodeProgram {
     dtype_ = embed.scalar_type();
   }
 
-  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, std::vector<torch::Tensor> qkv,
-                 c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
-                 std::vector<torch::Tensor> down, torch::Tensor kv_cache, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm) {
+  // a layer's weights: each linear's one tensor (int8/int4 or bf16 panels)
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, torch::Tensor qkv,
+                 c10::optional<torch::Tensor> qkv_bias, torch::Tensor o, torch::Tensor gate_up, torch::Tensor down,
+                 torch::Tensor kv_cache, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
     Layer l;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode program: q and k norms together");
     if (q_norm.has_value() && q_norm->defined()) {

@@ -70,8 +70,8 @@ if AVAILABLE:
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("rivulet::int8_linear")
-    def _(x, w, w_scale, bias=None):
-        return _linear_fake(x, w.shape[0])
+    def _(x, w, n: int, bias=None):
+        return _linear_fake(x, n)
 
     @torch.library.register_fake("rivulet::int4_linear")
     def _(x, w, n: int, bias=None):
@@ -88,11 +88,9 @@ if AVAILABLE:
             return _linear_fake(x, packed.shape[0] * 16)
 
 
-def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[-1]
-    return _int8_linear(x.reshape(-1, k), weight, scale, bias).reshape(*x.shape[:-1], -1)
+    return _int8_linear(x.reshape(-1, k), weight, n, bias).reshape(*x.shape[:-1], -1)
 
 
 def quantize_int4_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,7 @@
 // The weight-only quantized formats of the CPU linears (quant_linear.cpp's arithmetic, shared with
-// decode_program.cpp): activations quantized to int8 per block (`QuantRow`) and the dot product of
-// one weight row with up to kRowTile activation rows for int8 (Q8_0-like) weights, of one panel of
-// 16 weight rows with up to 8 activation rows for int4 (Q4_1-like) ones. The layouts and the
-// arithmetic are described at the top of quant_linear.cpp.
+// decode_program.cpp): activations quantized to int8 per block (`QuantRow`) and the dot products of
+// one panel of 16 weight rows with up to 8 activation rows, for int8 (Q8_0-like) and int4
+// (Q4_1-like) weights. The layouts and the arithmetic are described at the top of quant_linear.cpp.
 #pragma once
 #include <torch/extension.h>
 #include <algorithm>
@@ -17,9 +16,17 @@
 
 namespace {
 
-constexpr int64_t kChunk = 64;   // bytes of activations per vpdpbusd
-constexpr int64_t kRowTile = 5;  // rows of x sharing each weight load, at most (6 spills registers)
-constexpr int64_t kPrefetchRows = 4;  // weight rows read ahead of the one in use
+constexpr int64_t kChunk = 64;  // activations are padded to a multiple of this
+constexpr int64_t kQuantPanel = 16;  // weight rows per panel: one zmm of int32 / float lanes
+constexpr int kMaxTile = 8;     // activation rows sharing each weight load
+constexpr int64_t kPrefetchBlocks = 8;  // weight blocks read ahead of the one in use (one stream per panel)
+
+// the 4 activation bytes k .. k + 3 of a quantized row as one int32 (vpdpbusd's broadcast operand)
+inline int32_t four(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return v;
+}
 
 struct QuantRow {
   std::vector<int8_t> q;    // [K padded to kChunk]
@@ -55,42 +62,57 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int64_t block, QuantRow& ou
   }
 }
 
-// int8 weights: the dot of one weight row with R activation rows.
+// int8 weights in panels of 16 rows (quant_linear.cpp describes the layout): one block of 64 is 16
+// groups of 64 bytes, row i's elements 4g .. 4g + 3 in bytes 4i .. 4i + 3 of group g, then the 16
+// rows' scales. One vpdpbusd per group against 4 activation bytes broadcast covers the 16 rows.
 struct Int8Format {
-  static constexpr int64_t kBlock = 64;
-  const uint8_t* w; const float* ws; int64_t row_bytes, nb;
+  static constexpr int64_t kBlock = 64, kBlockBytes = 1088;
+  const uint8_t* w; int64_t nb;  // w [P, nb, kBlockBytes]
 
+  // out[r * 16 + i] = x_r . W[16 p + i] for R activation rows
   template <int R>
-  void dot(int64_t n, const QuantRow* xr, float* out) const {
-    const uint8_t* wr = w + n * row_bytes;
-    const float* s = ws + n * nb;
-    float corr[R] = {};
+  void panel(int64_t p, const QuantRow* xr, float* out) const {
+    const uint8_t* wp = w + p * nb * kBlockBytes;
 #ifdef RIVULET_VNNI
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * row_bytes + o), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchRows * nb), _MM_HINT_T0);
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512i wv = _mm512_loadu_si512(wr + b * 64);
-      for (int r = 0; r < R; ++r) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xr[r].q.data() + b * 64));
-        const float c = s[b] * xr[r].scale[b];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(c), acc[r]);
-        corr[r] += c * 128.f * xr[r].sum[b];
+      const uint8_t* blk = wp + b * kBlockBytes;
+      for (int64_t o = 0; o < kBlockBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBlocks * kBlockBytes + o), _MM_HINT_T0);
+      __m512i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+      for (int g = 0; g < 16; ++g) {
+        const __m512i wv = _mm512_loadu_si512(blk + g * 64);
+        for (int r = 0; r < R; ++r)
+          s[r] = _mm512_dpbusd_epi32(s[r], wv, _mm512_set1_epi32(four(xr[r].q.data() + b * kBlock + g * 4)));
+      }
+      const __m512 sv = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 1024));
+      for (int r = 0; r < R; ++r) {  // (dot - 128 * xsum) * ws * sx, the offset of the stored weights removed
+        const __m512 c = _mm512_mul_ps(sv, _mm512_set1_ps(xr[r].scale[b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), c, acc[r]);
+        acc[r] = _mm512_fnmadd_ps(c, _mm512_set1_ps(128.f * xr[r].sum[b]), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - corr[r];
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kQuantPanel, acc[r]);
 #else
     for (int r = 0; r < R; ++r) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t d = 0;
-        for (int64_t k = 0; k < 64; ++k) d += int32_t(wr[b * 64 + k]) * int32_t(xr[r].q[b * 64 + k]);
-        acc += s[b] * xr[r].scale[b] * (float(d) - 128.f * xr[r].sum[b]);
+      for (int i = 0; i < kQuantPanel; ++i) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = wp + b * kBlockBytes;
+          int32_t dot = 0;
+          for (int g = 0; g < 16; ++g)
+            for (int j = 0; j < 4; ++j) dot += int32_t(blk[g * 64 + i * 4 + j]) * xr[r].q[b * kBlock + g * 4 + j];
+          float ws;
+          std::memcpy(&ws, blk + 1024 + 4 * i, 4);
+          const float c = ws * xr[r].scale[b];
+          acc = std::fma(float(dot), c, acc);
+          acc = std::fma(-c, 128.f * xr[r].sum[b], acc);
+        }
+        out[r * kQuantPanel + i] = acc;
       }
-      out[r] = acc;
     }
-    (void)corr;
 #endif
   }
 };
@@ -100,9 +122,7 @@ struct Int8Format {
 // vpdpbusd of a group's low (high) nibbles against 4 activation bytes broadcast adds to all 16 rows'
 // block dots at once, so the block's sum needs no horizontal reduction: 16 lanes are 16 outputs.
 struct Int4Format {
-  static constexpr int64_t kBlock = 32, kPanel = 16, kBlockBytes = 384;
-  static constexpr int kMaxTile = 8;  // activation rows sharing each weight load (3 zmm each)
-  static constexpr int64_t kPrefetchBlocks = 8;  // blocks read ahead of the one in use (one stream)
+  static constexpr int64_t kBlock = 32, kBlockBytes = 384;
   const uint8_t* w; int64_t nb;  // w [P, nb, kBlockBytes]
 
   // out[r * 16 + i] = x_r . W[16 p + i] for R activation rows
@@ -123,10 +143,9 @@ struct Int4Format {
         const __m512i wv = _mm512_loadu_si512(blk + v * 64);
         const __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
         for (int r = 0; r < R; ++r) {
-          int32_t x4[2];
-          std::memcpy(x4, xr[r].q.data() + b * kBlock + v * 8, 8);
-          s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(x4[0]));
-          s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(x4[1]));
+          const int8_t* xq = xr[r].q.data() + b * kBlock + v * 8;
+          s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(four(xq)));
+          s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(four(xq + 4)));
         }
       }
       const __m512 dv = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 256));
@@ -137,10 +156,10 @@ struct Int4Format {
         acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xr[r].scaled_sum[b]), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kQuantPanel, acc[r]);
 #else
     for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < kPanel; ++i) {
+      for (int i = 0; i < kQuantPanel; ++i) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* blk = wp + b * kBlockBytes;
@@ -157,7 +176,7 @@ struct Int4Format {
           acc = std::fma(float(dot), d * xr[r].scale[b], acc);
           acc = std::fma(m, xr[r].scaled_sum[b], acc);
         }
-        out[r * kPanel + i] = acc;
+        out[r * kQuantPanel + i] = acc;
       }
     }
 #endif
@@ -166,54 +185,29 @@ struct Int4Format {
 
 // y[m, n] = round_T(x_m . W_n + b[n]) for the panels [p0, p1) of 16 weight rows (n < N) and the M
 // quantized rows xq, up to kMaxTile rows at a time (as even as possible). Each output is computed
-// the same way whatever the tiling.
-template <typename T>
-void gemv_panels(const Int4Format& fmt, const QuantRow* xq, int64_t M, int64_t p0, int64_t p1, const T* bias, T* y,
+// the same way whatever the tiling (rows are independent lanes of the kernel).
+template <typename T, typename Fmt>
+void gemv_panels(const Fmt& fmt, const QuantRow* xq, int64_t M, int64_t p0, int64_t p1, const T* bias, T* y,
                  int64_t N) {
-  constexpr int64_t P = Int4Format::kPanel;
-  float tile[Int4Format::kMaxTile * P];
-  const int64_t tiles = (M + Int4Format::kMaxTile - 1) / Int4Format::kMaxTile;
+  float tile[kMaxTile * kQuantPanel];
+  const int64_t tiles = (M + kMaxTile - 1) / kMaxTile;
   for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n0 = p * P, cols = std::min(P, N - n0);
+    const int64_t n0 = p * kQuantPanel, cols = std::min(kQuantPanel, N - n0);
     for (int64_t t = 0, m = 0; t < tiles; ++t) {
       const int64_t r = (M - m) / (tiles - t);
       switch (r) {
-        case 1: fmt.panel<1>(p, xq + m, tile); break;
-        case 2: fmt.panel<2>(p, xq + m, tile); break;
-        case 3: fmt.panel<3>(p, xq + m, tile); break;
-        case 4: fmt.panel<4>(p, xq + m, tile); break;
-        case 5: fmt.panel<5>(p, xq + m, tile); break;
-        case 6: fmt.panel<6>(p, xq + m, tile); break;
-        case 7: fmt.panel<7>(p, xq + m, tile); break;
-        default: fmt.panel<8>(p, xq + m, tile); break;
+        case 1: fmt.template panel<1>(p, xq + m, tile); break;
+        case 2: fmt.template panel<2>(p, xq + m, tile); break;
+        case 3: fmt.template panel<3>(p, xq + m, tile); break;
+        case 4: fmt.template panel<4>(p, xq + m, tile); break;
+        case 5: fmt.template panel<5>(p, xq + m, tile); break;
+        case 6: fmt.template panel<6>(p, xq + m, tile); break;
+        case 7: fmt.template panel<7>(p, xq + m, tile); break;
+        default: fmt.template panel<kMaxTile>(p, xq + m, tile); break;
       }
       for (int64_t i = 0; i < r; ++i)
         for (int64_t c = 0; c < cols; ++c)
-          y[(m + i) * N + n0 + c] = static_cast<T>(tile[i * P + c] + (bias ? to_float(bias[n0 + c]) : 0.f));
-      m += r;
-    }
-  }
-}
-
-// y[m, n] = round_T(x_m . W_n + b[n]) for the weight rows n in [n0, n1) and the M quantized rows xq,
-// up to kRowTile rows of x sharing each weight row's loads (one thread's share of a linear). Each
-// output is computed the same way whatever the tiling (rows are independent lanes of the kernel).
-template <typename T, typename Fmt>
-void gemv_rows(const Fmt& fmt, const QuantRow* xq, int64_t M, int64_t n0, int64_t n1, const T* bias, T* y, int64_t N) {
-  float tile[kRowTile];
-  const int64_t tiles = (M + kRowTile - 1) / kRowTile;  // as even as possible: 8 rows are 4 + 4, not 5 + 3
-  for (int64_t n = n0; n < n1; ++n) {
-    const float b = bias ? to_float(bias[n]) : 0.f;
-    for (int64_t t = 0, m = 0; t < tiles; ++t) {
-      const int64_t r = (M - m) / (tiles - t);
-      switch (r) {
-        case 1: fmt.template dot<1>(n, xq + m, tile); break;
-        case 2: fmt.template dot<2>(n, xq + m, tile); break;
-        case 3: fmt.template dot<3>(n, xq + m, tile); break;
-        case 4: fmt.template dot<4>(n, xq + m, tile); break;
-        default: fmt.template dot<kRowTile>(n, xq + m, tile); break;
-      }
-      for (int64_t i = 0; i < r; ++i) y[(m + i) * N + n] = static_cast<T>(tile[i] + b);
+          y[(m + i) * N + n0 + c] = static_cast<T>(tile[i * kQuantPanel + c] + (bias ? to_float(bias[n0 + c]) : 0.f));
       m += r;
     }
   }

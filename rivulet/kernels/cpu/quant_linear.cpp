@@ -4,29 +4,31 @@
 // Q8 activations), so the inner loop is one AVX512-VNNI `vpdpbusd` (u8 x s8) per 64
 // multiply-adds, with float scaling once per block:
 //
-// int8:  W stored offset-binary (u8 = s8 + 128), one float scale per block of 64 of a row (Q8_0):
+// Both store W in panels of 16 rows, one stream of bytes per panel (read 8 blocks ahead), laid out
+// so that one vpdpbusd of 64 weight bytes against 4 activation bytes broadcast adds to the block
+// dots of all 16 rows: each lane of the sums is one output, no horizontal sums per block, and the
+// weights loaded serve up to 8 activation rows (the rows of a verify step or a small decode batch).
+//
+// int8:  W stored offset-binary (u8 = s8 + 128), one float scale per block of 64 of a row (Q8_0),
+//        w [P = ceil(N / 16), Kp / 64, 1088] uint8: per panel and block, 16 groups of 64 bytes where
+//        bytes 4i .. 4i + 3 of group g hold row i's elements 4g .. 4g + 3, then the 16 rows' scales
+//        (float32). Rows past N: weights 128, scale 0.
 //          dot_b = sum_k u8(W)[n,k] * xq[k] = sum_k s8(W)[n,k] xq[k] + 128 * xsum[b]
 //          y[n]  = sum_b ws[n,b] * sx[b] * (dot_b - 128 * xsum[b])
 // int4:  W = d * q + m with q in 0..15, d and m per block of 32 of a row (llama.cpp's Q4_1, so a
-//        Q4_1 GGUF tensor is represented exactly), stored in panels of 16 rows, w [P = ceil(N / 16),
-//        Kp / 32, 384] uint8: per panel and block, 4 groups of 64 bytes where bytes 4i .. 4i + 3 of
-//        group v hold row i's elements 8v .. 8v + 3 (low nibbles) and 8v + 4 .. 8v + 7 (high ones),
-//        then the 16 rows' d and m (float32). Rows past N are zero.
+//        Q4_1 GGUF tensor is represented exactly), w [P, Kp / 32, 384] uint8: per panel and block, 4
+//        groups of 64 bytes where bytes 4i .. 4i + 3 of group v hold row i's elements 8v .. 8v + 3
+//        (low nibbles) and 8v + 4 .. 8v + 7 (high ones), then the 16 rows' d and m (float32). Rows
+//        past N are zero.
 //          y[n]  = sum_b sx[b] * (d[n,b] * dot(q, xq)_b + m[n,b] * xsum[b])
-//        A group's low (high) nibbles times 4 activation bytes broadcast is one vpdpbusd for 16
-//        rows, so each lane of the sums is one output: no horizontal sums per block, and the
-//        unpacked weights are shared by up to 8 activation rows (a 5-token verify step's int4
-//        linears: ~3x the compute of one row per weight row before; docs/cpu.md). One stream of
-//        bytes per panel, read 8 blocks ahead.
-// int8 reads the weight rows a few rows ahead (software prefetch: ~1.2x at decode sizes, where the
-// weights stream from memory).
+// Against row-major weights (one row's dot across the lanes, reduced per block or per 8 blocks), a
+// 5-row step of the default model's int4 linears takes ~0.5x the time (docs/cpu.md).
 // Without AVX512-VNNI scalar loops compute the same numbers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "quant_gemv.h"
@@ -45,12 +47,8 @@ torch::Tensor run(const torch::Tensor& x_in, const Fmt& fmt, int64_t N, int64_t 
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, Kp, Fmt::kBlock, xq[m]);
   });
-  if constexpr (std::is_same_v<Fmt, Int4Format>) {
-    at::parallel_for(0, (N + Int4Format::kPanel - 1) / Int4Format::kPanel, 1,
-                     [&](int64_t p0, int64_t p1) { gemv_panels<T>(fmt, xq.data(), M, p0, p1, bp, yp, N); });
-  } else {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemv_rows<T>(fmt, xq.data(), M, n0, n1, bp, yp, N); });
-  }
+  at::parallel_for(0, (N + kQuantPanel - 1) / kQuantPanel, 1,
+                   [&](int64_t p0, int64_t p1) { gemv_panels<T>(fmt, xq.data(), M, p0, p1, bp, yp, N); });
   return y;
 }
 
@@ -70,27 +68,26 @@ void check_x(const torch::Tensor& x, int64_t Kp) {
 
 }  // namespace
 
-// w [N, Kp] uint8 (Kp = K rounded up to 64, padding 128); w_scale [N, Kp / 64] float32.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "int8_linear: w [N, Kp] uint8");
-  const int64_t N = w.size(0), Kp = w.size(1);
+static void check_panels(const torch::Tensor& w, int64_t n, int64_t block_bytes, const char* what) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(2) == block_bytes,
+              what, ": w [ceil(N/16), blocks, ", block_bytes, "] uint8");
+  TORCH_CHECK(n > 0 && (n + kQuantPanel - 1) / kQuantPanel == w.size(0), what, ": ", w.size(0), " panels do not hold ", n, " rows");
+}
+
+// w [ceil(n / 16), Kp / 64, 1088] uint8: the panels above.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias) {
+  check_panels(w, n, Int8Format::kBlockBytes, "int8_linear");
+  const int64_t Kp = w.size(1) * Int8Format::kBlock;
   check_x(x, Kp);
-  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.is_contiguous() && w_scale.numel() == N * (Kp / 64),
-              "int8_linear: w_scale [N, Kp/64] float32");
-  Int8Format fmt{w.data_ptr<uint8_t>(), w_scale.data_ptr<float>(), Kp, Kp / 64};
-  return dispatch(x, fmt, N, Kp, bias);
+  return dispatch(x, Int8Format{w.data_ptr<uint8_t>(), w.size(1)}, n, Kp, bias);
 }
 
 // w [ceil(n / 16), Kp / 32, 384] uint8: the panels above.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
-              w.size(2) == Int4Format::kBlockBytes, "int4_linear: w [ceil(N/16), Kp/32, 384] uint8");
-  TORCH_CHECK(n > 0 && (n + Int4Format::kPanel - 1) / Int4Format::kPanel == w.size(0),
-              "int4_linear: ", w.size(0), " panels do not hold ", n, " rows");
+  check_panels(w, n, Int4Format::kBlockBytes, "int4_linear");
   const int64_t Kp = w.size(1) * Int4Format::kBlock;
   check_x(x, Kp);
-  Int4Format fmt{w.data_ptr<uint8_t>(), w.size(1)};
-  return dispatch(x, fmt, n, Kp, bias);
+  return dispatch(x, Int4Format{w.data_ptr<uint8_t>(), w.size(1)}, n, Kp, bias);
 }
 
 // quantize_int4_weight (rivulet/kernels/quant.py) in one pass over the weight, with the same float32
@@ -103,7 +100,7 @@ void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t nb, uint8_t* o
     float blk[32];
     for (int64_t n = n0; n < n1; ++n) {
       const T* row = w + n * K;
-      const int64_t i = n % Int4Format::kPanel;
+      const int64_t i = n % kQuantPanel;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * 32;
         float lo = INFINITY, hi = -INFINITY;
@@ -113,7 +110,7 @@ void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t nb, uint8_t* o
           hi = std::max(hi, blk[j]);
         }
         const float dd = (hi - lo) / 15.f;
-        uint8_t* dst = out + ((n / Int4Format::kPanel) * nb + b) * Int4Format::kBlockBytes;
+        uint8_t* dst = out + ((n / kQuantPanel) * nb + b) * Int4Format::kBlockBytes;
         std::memcpy(dst + 256 + 4 * i, &dd, 4);
         std::memcpy(dst + 320 + 4 * i, &lo, 4);
         uint8_t q[32];
@@ -132,7 +129,7 @@ torch::Tensor quantize_int4(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "quantize_int4: weight [N, K]");
   auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), Kp = (K + kChunk - 1) / kChunk * kChunk, nb = Kp / 32;
-  auto out = torch::zeros({(N + Int4Format::kPanel - 1) / Int4Format::kPanel, nb, Int4Format::kBlockBytes},
+  auto out = torch::zeros({(N + kQuantPanel - 1) / kQuantPanel, nb, Int4Format::kBlockBytes},
                           w.options().dtype(torch::kUInt8));
   if (w.scalar_type() == torch::kBFloat16) {
     quantize_int4_rows(w.data_ptr<at::BFloat16>(), N, K, nb, out.data_ptr<uint8_t>());
@@ -159,7 +156,7 @@ void register_bf16_linear(py::module& m);
 void register_decode_program(py::module& m);
 
 TORCH_LIBRARY_FRAGMENT(rivulet, m) {
-  m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
@@ -174,8 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_prefill_attention(m);
   register_bf16_linear(m);
   register_decode_program(m);
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear (VNNI)", py::arg("x"), py::arg("w"),
-        py::arg("w_scale"), py::arg("bias") = py::none());
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear (VNNI)", py::arg("x"), py::arg("w"), py::arg("n"),
+        py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear, "weight-only 4-bit (Q4_1-style) linear (VNNI)", py::arg("x"), py::arg("w"),
         py::arg("n"), py::arg("bias") = py::none());
   m.def("quantize_int4", &quantize_int4, "quantize_int4_weight in one pass (same bits)", py::arg("weight"));

@@ -1,11 +1,12 @@
-"""The int4 weight-only kernel at small step sizes, in process, 2 threads:
+"""The weight-only int8/int4 kernels at small step sizes, in process, 2 threads:
 
-- `linears`: the default model's 120 int4 linears (QKV, o, gate_up, down of 30 layers; random weights of the
-  same shapes) at M rows, against the bf16 matmul on packed weights that bigger steps use;
+- `linears`: the default model's 120 linears (QKV, o, gate_up, down of 30 layers; random weights of the
+  same shapes) in int4 and int8 at M rows, against the bf16 matmul on packed weights that bigger steps use;
+- `lm_head`: its LM head [49152, 576] in int8 (what `--quantization int4` keeps it in) at M rows;
 - `steps`: the default model's whole step of M tokens after 128 tokens of context (`--quantization int4`,
   bf16, logits of every row, as a verify step of M - 1 drafts has), median of 60.
 
-    python benchmarks/int4_kernel.py --json benchmarks/results/int4_panels/after.json
+    python benchmarks/quant_kernels.py --json benchmarks/results/quant_panels/after.json
 """
 
 from __future__ import annotations
@@ -41,17 +42,21 @@ def median_ms(fn, reps: int) -> float:
 
 def linears(rows: list[int]) -> dict:
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for n, k in SHAPES * 30]
-    int4 = [WeightOnly("int4", w, max_rows=1 << 20) for w in weights]
+    quant = {m: [WeightOnly(m, w, max_rows=1 << 20) for w in weights] for m in ("int4", "int8")}
     pack, packed_linear = get_op("pack_linear_weight"), get_op("packed_linear")
     packed = [pack(w) for w in weights]
+    head_w = torch.randn(49152, 576, dtype=torch.bfloat16) * 0.05
+    head = WeightOnly("int8", head_w, max_rows=1 << 20)
     out = {}
     for m in rows:
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (576, 1536)}
-        a = median_ms(lambda: [q(xs[w.shape[1]], w, None) for q, w in zip(int4, weights)], 9)
-        b = median_ms(lambda: [packed_linear(xs[w.shape[1]], p, None) if p is not None else None
-                               for p, w in zip(packed, weights)], 9)
-        out[m] = {"int4_ms": round(a, 3), "bf16_packed_ms": round(b, 3)}
-        print(f"linears M={m}: int4 {a:.2f} ms, bf16 packed {b:.2f} ms", flush=True)
+        row = {f"{q}_ms": median_ms(lambda: [f(xs[w.shape[1]], w, None) for f, w in zip(quant[q], weights)], 9)
+               for q in quant}
+        row["bf16_packed_ms"] = median_ms(lambda: [packed_linear(xs[w.shape[1]], p, None) if p is not None else None
+                                                   for p, w in zip(packed, weights)], 9)
+        row["lm_head_int8_ms"] = median_ms(lambda: head(xs[576], head_w, None), 15)
+        out[m] = {k: round(v, 3) for k, v in row.items()}
+        print(f"M={m}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     return out
 
 
