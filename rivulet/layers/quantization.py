@@ -10,9 +10,10 @@ of `rivulet.kernels.cpu` (activations are quantized to int8 in blocks on the fly
   stores it (its tied token embedding) as Q8_0. Requantizing it to 4 bits cost most of the int4
   path's disagreement with the float32 reference (top-1 0.894 -> see docs/cpu.md).
 
-Steps with at most `max_rows` rows (decode of small batches) read the compact copy: a fraction of
-the bytes of a bf16 weight, which is what a memory-bound matrix-vector product costs. Bigger steps
-(prefill chunks, large batches) are compute-bound, where the bf16/AMX matmul on the original
+Steps with at most `small_step_rows()` rows (decode of batches up to 32, verify steps, short chunks) read the
+compact copy: a fraction of the bytes of a bf16 weight, which is what a memory-bound matrix-vector product
+costs, and with 16-row panels the int8/int4 kernels stay ahead of the bf16 matmul up to ~48 rows here.
+Bigger steps (prefill chunks, large batches) are compute-bound, where the bf16/AMX matmul on the original
 weight is faster, so the original is kept too (the compact copy adds 30-50% to a bf16 model).
 
 `prepack_model` then gives every dense linear (and the big-step side of a quantized one) its weight
@@ -39,13 +40,21 @@ from rivulet.layers.linear import LinearBase
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (x, weight, bias) -> y
 
 QUANTIZATIONS = ("int8", "int4")
-MAX_ROWS = 8  # the crossover with the bf16 matmul on AVX512-VNNI + AMX, 2 threads
+MAX_ROWS = 32  # below the crossover with the bf16 matmul on packed panels (~48 rows: docs/cpu.md), 2 threads
+MAX_ROWS_AMX = 8  # the crossover measured against AMX tiles (with the row-major int8/int4 kernels before)
+
+
+def small_step_rows() -> int:
+    """The most rows of a step that reads the compact copies on this CPU."""
+    from rivulet.kernels.cpu import ops
+
+    return MAX_ROWS_AMX if ops.AMX_BF16 else MAX_ROWS
 
 
 class WeightOnly:
     """y = x W^T + b through the compact copy of W for small steps, the original W for big ones."""
 
-    def __init__(self, method: str, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, method: str, weight: torch.Tensor, max_rows: int) -> None:
         self.method, self.max_rows = method, max_rows
         w = weight.detach()
         self.out_features = w.shape[0]  # the last panel of 16 rows may hold rows past it
@@ -71,11 +80,11 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         raise RivuletError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATIONS)}")
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise RivuletError(f"quantization {method!r} is a CPU weight-only path; it does not run on GPUs")
-    total = 0
+    total, rows = 0, small_step_rows()
     for module in model.modules():
         if getattr(module, "quantizable", False) and getattr(module, "weight", None) is not None:
             m = "int8" if method == "int4" and isinstance(module, ParallelLMHead) else method
-            module.quant = WeightOnly(m, module.weight)
+            module.quant = WeightOnly(m, module.weight, rows)
             # a buffer, so that the platform can place it
             module.register_buffer("quant_panels", module.quant.panels, persistent=False)
             total += module.quant.nbytes

@@ -8,11 +8,10 @@ region with a barrier between a layer's phases, computing a decode step's number
 layer-by-layer path does (the same kernels' arithmetic; tests/models/test_decode_program.py).
 It is the CPU's counterpart of a CUDA-graph replay, and `--enforce-eager` turns it off too.
 
-With `--quantization int8|int4` it takes any step of at most 8 tokens (the steps that read the
-compact weight copies): decode steps of up to 8 sequences, k-token verify steps, short prefill
-chunks. With bf16 weights packed in panels (the kernel of AVX512-BF16 CPUs without AMX,
-`kernels/cpu/bf16_linear.cpp`) it takes steps of up to 64 tokens, at most `MAX_QUERY` of them per
-sequence (decode steps of up to 64 sequences, verify steps, short chunks). Each token
+It takes steps with at most `MAX_QUERY` tokens per sequence: with `--quantization int8|int4`, of up to
+`small_step_rows()` tokens (32; the steps that read the compact weight copies); with bf16 weights packed
+in panels (the kernel of AVX512-BF16 CPUs without AMX, `kernels/cpu/bf16_linear.cpp`), of up to 64 tokens:
+decode steps of that many sequences, k-token verify steps, short prefill chunks. Each token
 attends to its own context [0, position] with the decode kernel, so a token of a multi-token step
 gets exactly the numbers it would get decoded alone (the layer-by-layer path takes multi-token
 sequences through the prefill kernel, whose sums run in another order). Bigger steps, and any model

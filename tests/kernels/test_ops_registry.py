@@ -85,7 +85,7 @@ def test_without_the_cpu_extension_the_references_run():
         "assert not ops.AVAILABLE and get_op('rms_norm', 'cpu') is rms_norm_ref\n"
         "assert get_op('int4_linear', 'cpu') is int4_linear_ref\n"
         "w = torch.randn(8, 64); x = torch.randn(2, 64)\n"
-        "y = WeightOnly('int4', w)(x, w, None)\n"
+        "y = WeightOnly('int4', w, 8)(x, w, None)\n"
         "assert torch.allclose(y, int4_linear_ref(x, quantize_int4_weight(w), 8)), y\n"
         "print('ok')\n"
     )

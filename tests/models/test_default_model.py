@@ -10,7 +10,7 @@ import torch
 
 from helpers.runner import make_runner
 from rivulet.engine.tokenizer import load_tokenizer
-from rivulet.layers.quantization import MAX_ROWS
+from rivulet.layers.quantization import small_step_rows
 from rivulet.models.loader import resolve_model
 from rivulet.worker.batch import SeqChunk
 
@@ -119,10 +119,10 @@ def test_greedy_float32_matches_transformers(prompts, reference):
 def _agreement(runner, prompts, reference, one_token_steps: bool) -> tuple[float, float, int]:
     """(top-1 agreement, mean |dlogprob| of the reference token, steps), teacher-forced on the fp32
     continuations: the whole sequence in one prefill, or the prompt then one token per step (the
-    decode path, where small-batch kernels such as int8 run: 5 rows per step, under MAX_ROWS)."""
+    decode path, where small-batch kernels such as int8 run: 5 rows per step, within small_step_rows())."""
     seqs = [ids + ref_toks for ids, (ref_toks, _) in zip(prompts, reference)]
     if one_token_steps:
-        assert 5 <= MAX_ROWS
+        assert 5 <= small_step_rows()
         all_logits = _decode_logits(runner, seqs, [len(ids) for ids in prompts], group=5)
     else:
         all_logits = [runner.forward([SeqChunk(seq, 0, _blocks(0))], all_logits=True)[len(ids) - 1: -1]
@@ -150,11 +150,14 @@ def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
     assert rate >= 0.95 and mean_dlp < 0.04
 
 
-# (method, activations, least top-1 agreement, largest mean |dlogprob|): measured 0.958/0.055, 0.956/0.044 and
-# 0.965/0.038 on 480 steps; the int4 LM head (4-bit, requantized from the file's Q8_0) gave 0.894/0.154
+# (method, activations, least top-1 agreement, largest mean |dlogprob|): measured 0.946/0.057, 0.965/0.043 and
+# 0.946/0.038 on 480 steps with prompts of up to 32 tokens prefilled on the compact copies too (0.958/0.055,
+# 0.956/0.044, 0.965/0.038 when only steps of up to 8 rows read them: one step of 480 is 0.002, and a change in
+# the order of a sum moves these by ~0.01 through near-ties); the int4 LM head (4-bit, requantized from the
+# file's Q8_0) gave 0.894/0.154
 @pytest.mark.parametrize("method,act,min_rate,max_dlp", [("int8", "bfloat16", 0.93, 0.08),
                                                          ("int4", "bfloat16", 0.94, 0.07),
-                                                         ("int4", "float32", 0.95, 0.06)])
+                                                         ("int4", "float32", 0.94, 0.06)])
 def test_quantized_decode_agrees_with_float32(method, act, min_rate, max_dlp, prompts, reference, capsys):
     """The weight-only int8/int4 paths (decode steps) against the fp32 reference. int4 holds the file's
     Q4_1 weights exactly, so its cost is the int8 activation blocks (llama.cpp's Q8_1: the same) and,

@@ -1,5 +1,5 @@
 // A pre-norm decoder's small step as one call: embedding, every layer, the final norm. Small: at
-// most `max_rows` tokens, set by the caller (8 with int8/int4 weights, the steps that read those
+// most `max_rows` tokens, set by the caller (32 with int8/int4 weights, the steps that read those
 // copies; 64 with bf16 panel weights): decode steps, k-token verify steps, short prefill chunks. The
 // layer-by-layer forward of the same step makes ~11 dispatcher calls a layer, each a fork/join of
 // the OpenMP team plus the interpreter between them; for a small model that host work is most of
