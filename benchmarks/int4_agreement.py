@@ -1,8 +1,8 @@
 """Top-1 agreement with the float32 reference on the same teacher-forced decode steps: Rivulet's int4
 path and llama.cpp's server on the default model's Q4_1 file.
 
-The reference is transformers (float32) on the GGUF: its greedy continuation of 10 prompts (the five of
-tests/models/test_default_model.py, raw and in the chat template), 48 tokens each. Every system then sees
+The reference is transformers (float32) on the GGUF: its greedy continuation of 30 prompts (the fifteen
+below, raw and in the chat template), 48 tokens each. Every system then sees
 the prompt plus the reference's tokens and predicts the next one, one token per step (the decode path,
 where the 4-bit kernels run); a step agrees when its argmax is the reference's.
 
@@ -28,7 +28,13 @@ from rivulet.worker.batch import SeqChunk
 from rivulet.worker.model_runner import ModelRunner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colors are", "Water boils at a temperature of"]
+           "The three primary colors are", "Water boils at a temperature of",
+           # ten more (2026-12-05): 1440 steps, where the first five's 480 put a standard error of ~0.009 on a rate
+           "The largest planet in our solar system is", "import numpy as np\n\ndef normalize(v):",
+           "Photosynthesis is the process by which", "My favourite recipe for a quick dinner is",
+           "The French Revolution began in", "To reverse a linked list in place,",
+           "The main difference between a virus and a bacterium is", "Dear team, I am writing to let you know that",
+           "The speed of light in a vacuum is", "A haiku about the ocean:"]
 STEPS = 48
 
 
@@ -109,13 +115,24 @@ def main() -> None:
     refs = reference(src, all_ids)
     seqs = list(zip(all_ids, refs))
     result = {"steps": sum(len(r) for r in refs), "reference": "transformers float32 on the Q4_1 GGUF"}
+    preds = {}
     for name, dtype, q in [("rivulet_bf16", "bfloat16", None), ("rivulet_int4_bf16_act", "bfloat16", "int4"),
                            ("rivulet_int4_fp32_act", "float32", "int4")]:
-        result[name] = agreement(rivulet_predictions(dtype, q, seqs), refs)
+        preds[name] = rivulet_predictions(dtype, q, seqs)
+        result[name] = agreement(preds[name], refs)
         print(f"{name}: top-1 agreement {result[name]:.4f}")
     if args.llama_server.exists():
-        result["llama_cpp_q4_1"] = agreement(llama_predictions(str(args.llama_server), src.gguf_path, seqs, args.port), refs)
+        preds["llama_cpp_q4_1"] = llama_predictions(str(args.llama_server), src.gguf_path, seqs, args.port)
+        result["llama_cpp_q4_1"] = agreement(preds["llama_cpp_q4_1"], refs)
         print(f"llama_cpp_q4_1: top-1 agreement {result['llama_cpp_q4_1']:.4f}")
+        # paired: the steps only one of the two int4 paths gets right (what a difference in rates rests on)
+        hits = {k: [p == r for ps, rs in zip(preds[k], refs) for p, r in zip(ps, rs)]
+                for k in ("rivulet_int4_fp32_act", "llama_cpp_q4_1")}
+        a, b = hits.values()
+        result["only_rivulet_int4_fp32_act"] = sum(x and not y for x, y in zip(a, b))
+        result["only_llama_cpp_q4_1"] = sum(y and not x for x, y in zip(a, b))
+        print(f"steps only Rivulet int4 (fp32 act.) gets right: {result['only_rivulet_int4_fp32_act']}, "
+              f"only llama.cpp: {result['only_llama_cpp_q4_1']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
