@@ -49,14 +49,16 @@ def _panel_rows(v: torch.Tensor, fill: int = 0) -> torch.Tensor:
 
 
 def _scale_bytes(v: torch.Tensor) -> torch.Tensor:
-    """float32 [N, blocks] -> [ceil(N / 16), blocks, 64]: each block's 16 values as bytes."""
-    return _panel_rows(v.float()).transpose(1, 2).contiguous().view(torch.uint8)
+    """[N, blocks] float32 or float16 -> [ceil(N / 16), blocks, 16 * itemsize]: each block's 16 values as bytes."""
+    return _panel_rows(v).transpose(1, 2).contiguous().view(torch.uint8)
 
 
-def _rows_of_scales(packed: torch.Tensor, lo: int) -> torch.Tensor:
-    """The float32 [panels * 16, blocks] stored at bytes lo .. lo + 63 of each block."""
+def _rows_of_scales(packed: torch.Tensor, lo: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float32 [panels * 16, blocks] of the 16 `dtype` values stored from byte lo of each block."""
     panels, nb, _ = packed.shape
-    return packed[..., lo:lo + 64].contiguous().view(torch.float32).transpose(1, 2).reshape(panels * INT_PANEL, nb)
+    size = 16 * torch.finfo(dtype).bits // 8
+    v = packed[..., lo:lo + size].contiguous().view(dtype).float()
+    return v.transpose(1, 2).reshape(panels * INT_PANEL, nb)
 
 
 def quantize_int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ def quantize_int8_weight(weight: torch.Tensor) -> torch.Tensor:
     q = (torch.round(blocks / scale[..., None]).clamp(-127, 127) + 128).to(torch.uint8)
     q = _panel_rows(q.view(n, kp // INT8_BLOCK, 16, 4), fill=128)  # panel, row, block, group, byte
     groups = q.permute(0, 2, 3, 1, 4).reshape(q.shape[0], kp // INT8_BLOCK, 1024)
-    return torch.cat([groups, _scale_bytes(scale)], dim=-1).contiguous()
+    return torch.cat([groups, _scale_bytes(scale.float())], dim=-1).contiguous()
 
 
 def dequantize_int8_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,27 +111,31 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.T
 INT4_BLOCK = 32
 
 
-INT4_BLOCK_BYTES = 384  # one block of a panel: 256 bytes of 4-bit values, then 16 d and 16 m (float32)
+INT4_BLOCK_BYTES = 320  # one block of a panel: 256 bytes of 4-bit values, then 16 d and 16 m (fp16)
 
 
 def quantize_int4_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[ceil(N / 16), Kp / 32, 384] uint8: `weight` [N, K] as ``d * q + m`` per block of 32 of a row, q in
-    0..15 (Q4_1's rule: m = block min, d = (max - min) / 15, so the dequantized values of a Q4_1 tensor come
-    back exactly; Kp is K rounded up to 64, zero-padded), in panels of 16 rows. Per panel and block: 4 groups
-    of 64 bytes, where bytes 4i .. 4i + 3 of group v hold row i's elements 8v .. 8v + 3 in their low nibbles
-    and 8v + 4 .. 8v + 7 in their high ones (one `vpdpbusd` per group and nibble half covers 16 rows), then
-    the 16 rows' d and m as float32 bytes. Rows past N are zero."""
+    """[ceil(N / 16), Kp / 32, 320] uint8: `weight` [N, K] as ``d * q + m`` per block of 32 of a row, q in
+    0..15 (Q4_1's rule: m = block min, d = (max - min) / 15, both stored as fp16 and q rounded against the
+    stored values, so the dequantized values of a Q4_1 tensor come back exactly; Kp is K rounded up to 64,
+    zero-padded), in panels of 16 rows. Per panel and block: 4 groups of 64 bytes, where bytes 4i .. 4i + 3 of
+    group v hold row i's elements 8v .. 8v + 3 in their low nibbles and 8v + 4 .. 8v + 7 in their high ones
+    (one `vpdpbusd` per group and nibble half covers 16 rows), then the 16 rows' d and m as fp16 bytes. Rows
+    past N are zero."""
     w = weight.float()
     n, k = w.shape
     kp = -(-k // 64) * 64
     nb = kp // INT4_BLOCK
     blocks = F.pad(w, (0, kp - k)).view(n, nb, INT4_BLOCK)
     lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
-    d = (hi - lo) / 15
-    q = torch.where(d[..., None] > 0, torch.round((blocks - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]), 0)
+    d16, m16 = ((hi - lo) / 15).half(), lo.half()
+    d, m = d16.float(), m16.float()
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise ValueError("quantize_int4: weights beyond the fp16 range of the scales")
+    q = torch.where(d[..., None] > 0, torch.round((blocks - m[..., None]) / torch.where(d > 0, d, 1)[..., None]), 0)
     q = _panel_rows(q.clamp(0, 15).to(torch.uint8).view(n, nb, 4, 2, 4))  # panel, row, block, group, half, byte
     nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(q.shape[0], nb, 256)
-    return torch.cat([nibbles, _scale_bytes(d), _scale_bytes(lo)], dim=-1).contiguous()
+    return torch.cat([nibbles, _scale_bytes(d16), _scale_bytes(m16)], dim=-1).contiguous()
 
 
 def dequantize_int4_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -139,7 +145,8 @@ def dequantize_int4_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
     nibbles = packed[..., :256].reshape(panels, nb, 4, INT_PANEL, 4)  # panel, block, group, row, byte
     q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # panel, block, group, row, half, byte
     q = q.permute(0, 3, 1, 2, 4, 5).reshape(panels * INT_PANEL, nb, INT4_BLOCK).float()
-    w = q * _rows_of_scales(packed, 256)[..., None] + _rows_of_scales(packed, 320)[..., None]
+    d, m = _rows_of_scales(packed, 256, torch.float16), _rows_of_scales(packed, 288, torch.float16)
+    w = q * d[..., None] + m[..., None]
     return w.view(panels * INT_PANEL, nb * INT4_BLOCK)[:n]
 
 

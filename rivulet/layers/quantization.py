@@ -81,10 +81,13 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise RivuletError(f"quantization {method!r} is a CPU weight-only path; it does not run on GPUs")
     total, rows = 0, small_step_rows()
-    for module in model.modules():
+    for name, module in model.named_modules():
         if getattr(module, "quantizable", False) and getattr(module, "weight", None) is not None:
             m = "int8" if method == "int4" and isinstance(module, ParallelLMHead) else method
-            module.quant = WeightOnly(m, module.weight, rows)
+            try:
+                module.quant = WeightOnly(m, module.weight, rows)
+            except (ValueError, RuntimeError) as e:  # e.g. int4 scales beyond fp16
+                raise RivuletError(f"quantization {method!r}: {name}: {str(e).splitlines()[0]}") from None
             # a buffer, so that the platform can place it
             module.register_buffer("quant_panels", module.quant.panels, persistent=False)
             total += module.quant.nbytes

@@ -237,12 +237,14 @@ def test_int8_panel_layout() -> None:
 
 
 def test_int4_quantization_round_trips_q4_1_values() -> None:
-    """Weights already on a Q4_1 grid (d * q + m per block of 32, q spanning 0..15) come back exactly."""
+    """Weights already on a Q4_1 grid (d * q + m per block of 32, fp16 d and m, q spanning 0..15) come back
+    exactly."""
     g = torch.Generator().manual_seed(6)
     n, k = 8, 128
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
     q[..., 0], q[..., 1] = 0, 15  # llama.cpp's rule puts the block min at 0 and max at 15
     d, m = torch.rand(n, k // 32, 1, generator=g) * 0.1, torch.randn(n, k // 32, 1, generator=g) * 0.1
+    d, m = d.half().float(), m.half().float()  # Q4_1 stores them in fp16
     w = (q * d + m).view(n, k)
     from rivulet.kernels.quant import dequantize_int4_weight, quantize_int4_weight
 
@@ -251,8 +253,8 @@ def test_int4_quantization_round_trips_q4_1_values() -> None:
 
 def test_int4_panel_layout() -> None:
     """The bytes are where quant_linear.cpp says: row i of a panel, element 8v + j (j < 4) in the low nibble of
-    byte 64v + 4i + j of its block, element 8v + 4 + j in the high one; then the 16 rows' d and m; rows past N
-    (here 18 -> 32) zero."""
+    byte 64v + 4i + j of its block, element 8v + 4 + j in the high one; then the 16 rows' d and m (fp16); rows
+    past N (here 18 -> 32) zero."""
     from rivulet.kernels.quant import quantize_int4_weight
 
     n, k = 18, 64
@@ -260,15 +262,15 @@ def test_int4_panel_layout() -> None:
     q[:, ::32], q[:, 1::32] = 0, 15  # every block spans 0..15: d = 1, m = -3
     w = (q - 3).float()
     packed = quantize_int4_weight(w)
-    assert packed.shape == (2, 2, 384) and packed.dtype == torch.uint8
+    assert packed.shape == (2, 2, 320) and packed.dtype == torch.uint8
     for row, b, v, j in [(0, 0, 0, 0), (5, 1, 2, 3), (17, 1, 3, 1), (16, 0, 1, 2)]:
         p, i = divmod(row, 16)
         byte = int(packed[p, b, 64 * v + 4 * i + j])
         assert byte & 0x0F == q[row, 32 * b + 8 * v + j] and byte >> 4 == q[row, 32 * b + 8 * v + 4 + j]
-        d, m = (packed[p, b, o + 4 * i:o + 4 * i + 4].view(torch.float32).item() for o in (256, 320))
+        d, m = (packed[p, b, o + 2 * i:o + 2 * i + 2].view(torch.float16).item() for o in (256, 288))
         assert (d, m) == (1.0, -3.0)
     assert not packed[1, :, :256].view(2, 4, 16, 4)[:, :, 2:].any()  # rows 18..31: no nibbles
-    assert not packed[1, :, 256:].view(2, 2, 16, 4)[:, :, 2:].any()  # nor d, m
+    assert not packed[1, :, 256:].view(2, 2, 16, 2)[:, :, 2:].any()  # nor d, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -281,6 +283,17 @@ def test_int4_quantizer_is_the_reference_bitwise(dtype: torch.dtype, n: int, k: 
     w[1, 32:64] = torch.linspace(-1, 1, 32)  # values on the rounding boundaries of (w - m) / d
     got, want = ext.quantize_int4(w), quantize_int4_weight(w)
     assert got.dtype == want.dtype == torch.uint8 and torch.equal(got, want)
+
+
+def test_int4_scales_beyond_fp16_are_refused() -> None:
+    from rivulet.kernels.quant import quantize_int4_weight
+
+    w = torch.zeros(2, 64)
+    w[0, 0] = 1e6  # d = 1e6 / 15 > 65504
+    with pytest.raises(ValueError, match="beyond the fp16 range"):
+        quantize_int4_weight(w)
+    with pytest.raises(RuntimeError, match="beyond the fp16 range"):
+        ext.quantize_int4(w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

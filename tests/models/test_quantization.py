@@ -11,8 +11,9 @@ from rivulet.config import RivuletError
 from rivulet.layers.quantization import Prepacked, WeightOnly, quantize_model, small_step_rows
 from rivulet.worker.batch import SeqChunk
 
-# (min cosine of decode logits vs float32, per method): int4 on N(0, 0.15) random weights is coarse
-MIN_COSINE = {"int8": 0.998, "int4": 0.9}
+# (min cosine of decode logits vs float32, per method): int4 on N(0, 0.15) random weights is coarse; its least
+# step measured 0.897 (mistral-window, fp16 block scales as Q4_1 stores them; 0.903 with float32 ones)
+MIN_COSINE = {"int8": 0.998, "int4": 0.88}
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -50,6 +51,14 @@ def test_unknown_method_is_a_clear_error(tiny_model_dir):
     r = make_runner(path)
     with pytest.raises(RivuletError, match="unknown quantization 'int3'; supported: int8, int4"):
         quantize_model(r.model, "int3")
+
+
+def test_weights_beyond_fp16_scales_are_a_clear_error(tiny_model_dir):
+    r = make_runner(tiny_model_dir("llama")[0])
+    with torch.no_grad():
+        r.model.model.layers[1].mlp.down_proj.weight[0, 0] = 1e6  # an int4 block scale past 65504
+    with pytest.raises(RivuletError, match=r"quantization 'int4': model.layers.1.mlp.down_proj: .*fp16 range"):
+        quantize_model(r.model, "int4")
 
 
 def test_bf16_linears_are_prepacked_once(tiny_model_dir):

@@ -21,6 +21,13 @@ constexpr int64_t kQuantPanel = 16;  // weight rows per panel: one zmm of int32 
 constexpr int kMaxTile = 8;     // activation rows sharing each weight load
 constexpr int64_t kPrefetchBlocks = 8;  // weight blocks read ahead of the one in use (one stream per panel)
 
+// the fp16 value stored at p, as float
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
 // the 4 activation bytes k .. k + 3 of a quantized row as one int32 (vpdpbusd's broadcast operand)
 inline int32_t four(const int8_t* q) {
   int32_t v;
@@ -118,11 +125,11 @@ struct Int8Format {
 };
 
 // int4 weights in panels of 16 rows (quant_linear.cpp describes the layout): one weight block of a
-// panel is kBlockBytes bytes, 4 groups of 64 bytes of 4-bit values then the 16 rows' d and m. One
+// panel is kBlockBytes bytes, 4 groups of 64 bytes of 4-bit values then the 16 rows' d and m (fp16). One
 // vpdpbusd of a group's low (high) nibbles against 4 activation bytes broadcast adds to all 16 rows'
 // block dots at once, so the block's sum needs no horizontal reduction: 16 lanes are 16 outputs.
 struct Int4Format {
-  static constexpr int64_t kBlock = 32, kBlockBytes = 384;
+  static constexpr int64_t kBlock = 32, kBlockBytes = 320;
   const uint8_t* w; int64_t nb;  // w [P, nb, kBlockBytes]
 
   // out[r * 16 + i] = x_r . W[16 p + i] for R activation rows
@@ -148,8 +155,8 @@ struct Int4Format {
           s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(four(xq + 4)));
         }
       }
-      const __m512 dv = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 256));
-      const __m512 mv = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 320));
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
       for (int r = 0; r < R; ++r) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xr[r].scale[b])), acc[r]);
@@ -170,9 +177,7 @@ struct Int4Format {
               dot += int32_t(byte & 0x0F) * xr[r].q[b * kBlock + v * 8 + j];
               dot += int32_t(byte >> 4) * xr[r].q[b * kBlock + v * 8 + 4 + j];
             }
-          float d, m;
-          std::memcpy(&d, blk + 256 + 4 * i, 4);
-          std::memcpy(&m, blk + 320 + 4 * i, 4);
+          const float d = half_at(blk + 256 + 2 * i), m = half_at(blk + 288 + 2 * i);
           acc = std::fma(float(dot), d * xr[r].scale[b], acc);
           acc = std::fma(m, xr[r].scaled_sum[b], acc);
         }

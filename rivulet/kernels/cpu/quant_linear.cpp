@@ -16,10 +16,10 @@
 //          dot_b = sum_k u8(W)[n,k] * xq[k] = sum_k s8(W)[n,k] xq[k] + 128 * xsum[b]
 //          y[n]  = sum_b ws[n,b] * sx[b] * (dot_b - 128 * xsum[b])
 // int4:  W = d * q + m with q in 0..15, d and m per block of 32 of a row (llama.cpp's Q4_1, so a
-//        Q4_1 GGUF tensor is represented exactly), w [P, Kp / 32, 384] uint8: per panel and block, 4
+//        Q4_1 GGUF tensor is represented exactly), w [P, Kp / 32, 320] uint8: per panel and block, 4
 //        groups of 64 bytes where bytes 4i .. 4i + 3 of group v hold row i's elements 8v .. 8v + 3
-//        (low nibbles) and 8v + 4 .. 8v + 7 (high ones), then the 16 rows' d and m (float32). Rows
-//        past N are zero.
+//        (low nibbles) and 8v + 4 .. 8v + 7 (high ones), then the 16 rows' d and m (fp16, as in
+//        Q4_1: 0.625 bytes a weight, where float32 scales made it 0.75). Rows past N are zero.
 //          y[n]  = sum_b sx[b] * (d[n,b] * dot(q, xq)_b + m[n,b] * xsum[b])
 // Against row-major weights (one row's dot across the lanes, reduced per block or per 8 blocks), a
 // 5-row step of the default model's int4 linears takes ~0.5x the time (docs/cpu.md).
@@ -82,7 +82,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::opti
   return dispatch(x, Int8Format{w.data_ptr<uint8_t>(), w.size(1)}, n, Kp, bias);
 }
 
-// w [ceil(n / 16), Kp / 32, 384] uint8: the panels above.
+// w [ceil(n / 16), Kp / 32, 320] uint8: the panels above.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias) {
   check_panels(w, n, Int4Format::kBlockBytes, "int4_linear");
   const int64_t Kp = w.size(1) * Int4Format::kBlock;
@@ -92,8 +92,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::opti
 
 // quantize_int4_weight (rivulet/kernels/quant.py) in one pass over the weight, with the same float32
 // operations in the same order (so the same bits): per block of 32 (K zero-padded to a multiple of
-// 64) m = min, d = (max - min) / 15, q = round-half-even((w - m) / d) clamped to 0..15 (0 where
-// d == 0), written into the panel layout above.
+// 64) m = fp16(min), d = fp16((max - min) / 15), q = round-half-even((w - m) / d) clamped to 0..15
+// (0 where d == 0), written into the panel layout above.
 template <typename T>
 void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t nb, uint8_t* out) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -109,13 +109,15 @@ void quantize_int4_rows(const T* w, int64_t N, int64_t K, int64_t nb, uint8_t* o
           lo = std::min(lo, blk[j]);
           hi = std::max(hi, blk[j]);
         }
-        const float dd = (hi - lo) / 15.f;
+        const c10::Half d16((hi - lo) / 15.f), m16(lo);
+        const float dd = static_cast<float>(d16), mm = static_cast<float>(m16);
+        TORCH_CHECK(std::isfinite(dd) && std::isfinite(mm), "quantize_int4: weights beyond the fp16 range of the scales");
         uint8_t* dst = out + ((n / kQuantPanel) * nb + b) * Int4Format::kBlockBytes;
-        std::memcpy(dst + 256 + 4 * i, &dd, 4);
-        std::memcpy(dst + 320 + 4 * i, &lo, 4);
+        std::memcpy(dst + 256 + 2 * i, &d16.x, 2);
+        std::memcpy(dst + 288 + 2 * i, &m16.x, 2);
         uint8_t q[32];
         for (int j = 0; j < 32; ++j) {
-          const float v = dd > 0.f ? std::nearbyint((blk[j] - lo) / dd) : 0.f;
+          const float v = dd > 0.f ? std::nearbyint((blk[j] - mm) / dd) : 0.f;
           q[j] = static_cast<uint8_t>(std::min(std::max(v, 0.f), 15.f));
         }
         for (int v = 0; v < 4; ++v)
