@@ -7,6 +7,7 @@
   bf16, logits of every row, as a verify step of M - 1 drafts has), median of 60.
 
     python benchmarks/quant_kernels.py --json benchmarks/results/quant_panels/after.json
+    python benchmarks/quant_kernels.py --steps-only --rows 1,5 --reps 300 --json ...   # A/B of two builds
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def linears(rows: list[int]) -> dict:
     return out
 
 
-def steps(rows: list[int], context: int = 128) -> dict:
+def steps(rows: list[int], context: int = 128, reps: int = 60) -> dict:
     runner = ModelRunner(ModelConfig(model="default", dtype="bfloat16", quantization="int4"),
                          CacheConfig(block_size=16), resolve_model("default"))
     runner.allocate_kv_cache(64)
@@ -68,7 +69,7 @@ def steps(rows: list[int], context: int = 128) -> dict:
     runner.forward([SeqChunk(list(range(1, context + 1)), 0, table)])
     out = {}
     for m in rows:
-        ms = median_ms(lambda: runner.forward([SeqChunk(list(range(5, 5 + m)), context, table)], all_logits=True), 60)
+        ms = median_ms(lambda: runner.forward([SeqChunk(list(range(5, 5 + m)), context, table)], all_logits=True), reps)
         out[m] = round(ms, 3)
         print(f"step M={m}: {ms:.2f} ms", flush=True)
     return out
@@ -78,11 +79,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
     ap.add_argument("--json")
+    ap.add_argument("--steps-only", action="store_true", help="only the whole steps (for A/B runs of two builds)")
+    ap.add_argument("--reps", type=int, default=60, help="steps timed per M")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = [int(r) for r in args.rows.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "linears": linears(rows), "steps": steps([r for r in rows if r <= 8])}
+    result = {"commit": commit, "linears": {} if args.steps_only else linears(rows),
+              "steps": steps([r for r in rows if r <= 8], reps=args.reps)}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
