@@ -49,15 +49,20 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool = False  # every step layer by layer: no CUDA graphs (CUDA), no decode program (CPU)
     quantization: Quantization | None = None  # CPU weight-only int8/int4 (rivulet/layers/quantization.py)
-    compilation_level: int = 0  # 0: eager; 1: torch.compile of the forward (rivulet/compilation/)
+    compilation_level: int = 0  # 0: eager; 1: torch.compile of the forward; 2: and Rivulet's fusion passes
+    compilation_passes: str | None = None  # level 2's passes, a comma list ('' none; None: all, rivulet/compilation/)
     task: Task = "generate"  # "embed": requests are pooled into embeddings (prefill only, no KV kept)
     # embed: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's own (its
     # sentence-transformers modules, else CLS for encoders and LAST for decoders, normalized)
     pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.compilation_level not in (0, 1):
-            raise RivuletError(f"compilation_level must be 0 (eager) or 1 (torch.compile), not {self.compilation_level!r}")
+        if self.compilation_level not in (0, 1, 2):
+            raise RivuletError(f"compilation_level must be 0 (eager), 1 (torch.compile) or 2 (torch.compile and "
+                               f"fusion passes), not {self.compilation_level!r}")
+        if self.compilation_passes is not None and self.compilation_level != 2:
+            raise RivuletError("compilation_passes (--compilation-passes) choose the fusion passes of "
+                               "--compilation-level 2")
         if self.task not in ("generate", "embed"):
             raise RivuletError(f"task must be 'generate' or 'embed', not {self.task!r}")
         if self.pooler_config is not None and self.task != "embed":

@@ -18,7 +18,9 @@ compiling). Whatever fails on that path (a graph that will not
 serialize, a step the saved guards reject) is logged and falls back to the in-process `torch.compile`,
 which gives the same results.
 
-Levels (`--compilation-level`): 0 runs the model eagerly; 1 compiles it.
+Levels (`--compilation-level`): 0 runs the model eagerly; 1 compiles it; 2 compiles it with Rivulet's
+fusion passes (`passes.py`), which inductor runs on the captured graph; the passes are part of the
+saved graphs' fingerprint.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from rivulet.compilation.passes import FusionPasses
 from rivulet.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-COMPILATION_LEVELS = {0: "eager", 1: "torch.compile (inductor), kernels and attention as opaque ops"}
+COMPILATION_LEVELS = {0: "eager", 1: "torch.compile (inductor), kernels and attention as opaque ops",
+                      2: "level 1 and Rivulet's fusion passes"}
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 _GUARD_FAILED = "GuardManager check failed"  # torch's message when a saved graph's guards reject a call
@@ -106,10 +110,12 @@ def _describe_value(v: Any) -> str | None:
     return None
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, passes: tuple[str, ...] = ()) -> str:
     """A digest of the model as a trace sees it: module types, their plain attributes (sizes, eps, flags,
-    the kernel each one calls), every weight's shape, strides and dtype, and the environment."""
+    the kernel each one calls), every weight's shape, strides and dtype, the environment, and the fusion
+    passes that rewrite the graph."""
     h = hashlib.sha256(_environment_digest().encode())
+    h.update(f"passes={','.join(passes)}".encode())
     for name, mod in model.named_modules():
         h.update(f"{name}:{type(mod).__module__}.{type(mod).__qualname__}".encode())
         for key, value in vars(mod).items():
@@ -127,13 +133,16 @@ class CompiledForward:
     engine reports ready meanwhile; a step that needs a graph still loading waits for it); a graph
     not on disk is compiled at the first step of its kind and saved. `compile_s` adds up load and
     compile time, `loaded` and `compiled` name the kinds that came from disk or were compiled,
-    `fallbacks` counts steps that went to the in-process `torch.compile` (see the module docstring)."""
+    `fallbacks` counts steps that went to the in-process `torch.compile` (see the module docstring).
+    `passes` names the fusion passes to run (level 2); `fusions` counts their rewrites in the graphs
+    this process compiled."""
 
-    def __init__(self, model: nn.Module, cache: bool = True) -> None:
+    def __init__(self, model: nn.Module, cache: bool = True, passes: tuple[str, ...] = ()) -> None:
         _configure_caches()
         self.model = model
         self.cache_dir = compile_cache_dir() / "aot" if cache else None
-        self.fingerprint = model_fingerprint(model)
+        self.passes = FusionPasses(passes)
+        self.fingerprint = model_fingerprint(model, self.passes.names)
         self.compile_s = 0.0
         self.loaded: set[str] = set()
         self.compiled: set[str] = set()
@@ -170,6 +179,13 @@ class CompiledForward:
         with _marked(multi, input_ids, positions, meta, self._kv_caches()):
             return self._jit_forward(input_ids, positions, meta)
 
+    @property
+    def fusions(self) -> dict[str, int]:
+        return dict(self.passes.applied)
+
+    def _inductor_options(self) -> dict[str, Any]:
+        return {"pre_grad_custom_pass": self.passes} if self.passes.names else {}
+
     def _kv_caches(self) -> list[torch.Tensor]:
         return [c for m in self.model.modules() if isinstance(c := getattr(m, "kv_cache", None), torch.Tensor)]
 
@@ -201,7 +217,8 @@ class CompiledForward:
         _trust_reported_isa()
         try:
             # float attributes (eps) as constants: dynamo's restart to specialize them has no place in AOT
-            with torch._dynamo.config.patch(specialize_float=True):
+            with torch._dynamo.config.patch(specialize_float=True), \
+                    torch._inductor.config.patch(self._inductor_options()):
                 fn = torch.compile(type(self.model).forward, fullgraph=True)
                 graph = fn.aot_compile(((self.model, input_ids, positions, meta), {}))
         except Exception as e:  # noqa: BLE001 - the in-process compile still works
@@ -211,7 +228,8 @@ class CompiledForward:
         took = time.perf_counter() - start
         self.compile_s += took
         self.compiled.add(kind)
-        logger.info("compiled the model for %s steps in %.1f s", kind, took)
+        logger.info("compiled the model for %s steps in %.1f s%s", kind, took,
+                    f" (fusion passes, rewrites so far: {self.fusions})" if self.passes.names else "")
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,7 +240,7 @@ class CompiledForward:
 
     def _jit_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self._jit is None:
-            self._jit = torch.compile(self.model, fullgraph=True)
+            self._jit = torch.compile(self.model, fullgraph=True, options=self._inductor_options() or None)
         return self._jit(input_ids, positions, meta)
 
 

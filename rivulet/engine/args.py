@@ -53,8 +53,10 @@ class EngineArgs:
     enforce_eager: bool = field(default=False, metadata=_opt(
         "every step layer by layer: no CUDA-graph replays (CUDA), no decode program (CPU)"))
     compilation_level: int = field(default=0, metadata=_opt(
-        "0: run the model eagerly; 1: torch.compile it (inductor; compiled code cached in ~/.cache/rivulet)",
-        choices=[0, 1], flags=["--compilation-level", "-O"]))
+        "0: run the model eagerly; 1: torch.compile it (inductor; compiled code cached in ~/.cache/rivulet); "
+        "2: also Rivulet's fusion passes", choices=[0, 1, 2], flags=["--compilation-level", "-O"]))
+    compilation_passes: str | None = field(default=None, metadata=_opt(
+        "the fusion passes of --compilation-level 2, comma-separated ('' for none; default: all: rope_kv_write)"))
     tensor_parallel_size: int = field(default=1, metadata=_opt("ranks that split each layer",
                                                                 flags=["--tensor-parallel-size", "-tp"]))
     pipeline_parallel_size: int = field(default=1, metadata=_opt("stages that split the layers",
@@ -130,6 +132,7 @@ class EngineArgs:
                               max_model_len=self.max_model_len, load_format=self.load_format,  # type: ignore[arg-type]
                               seed=self.seed, enforce_eager=self.enforce_eager,
                               compilation_level=self.compilation_level,
+                              compilation_passes=self.compilation_passes,
                               quantization=self.quantization, task=self.task,  # type: ignore[arg-type]
                               pooler_config=None if self.pooler_config is None else json_object(
                                   "pooler_config", self.pooler_config)),

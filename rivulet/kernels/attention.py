@@ -69,6 +69,19 @@ def write_kv_cache_ref(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def rotary_write_kv_cache_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, cos_sin_cache: torch.Tensor,
+    interleaved: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`apply_rotary` of q and k, then `write_kv_cache` of the rotated keys and `value`; returns the
+    rotated queries (what the RoPE + KV-write fusion pass puts in place of the two ops)."""
+    from rivulet.kernels.rotary import apply_rotary_ref
+
+    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache, interleaved)
+    write_kv_cache_ref(k.view(value.shape), value, kv_cache, slot_mapping)
+    return q
+
+
 def paged_attention_ref(
     query: torch.Tensor,
     kv_cache: torch.Tensor,

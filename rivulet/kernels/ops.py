@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rivulet.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
-from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.kv_copy import copy_blocks_ref
 from rivulet.kernels.lora import add_lora_ref
@@ -48,6 +48,9 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
                      "cpu": f"{_CPU}:apply_rotary"},
     "write_kv_cache": {"torch": write_kv_cache_ref, "triton": f"{_TRITON}.kv_cache:write_kv_cache",
                        "cpu": f"{_CPU}:write_kv_cache"},
+    # apply_rotary + write_kv_cache in one op: what the RoPE + KV-write fusion pass (rivulet/compilation/) calls
+    "rotary_write_kv_cache": {"torch": rotary_write_kv_cache_ref, "cpu": f"{_CPU}:rotary_write_kv_cache",
+                              "triton": f"{_TRITON}.rotary:rotary_write_kv_cache"},
     "topk_routing": {"torch": topk_routing_ref, "triton": f"{_TRITON}.moe:topk_routing"},
     "fused_moe": {"torch": fused_moe_ref, "triton": f"{_TRITON}.moe:fused_moe"},
     "fp8_linear": {"torch": fp8_linear_ref, "triton": f"{_TRITON}.fp8_linear:fp8_linear"},

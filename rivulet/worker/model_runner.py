@@ -8,7 +8,6 @@ import time
 import numpy as np
 import torch
 
-from rivulet.compilation import CompiledForward
 from rivulet.config import CacheConfig, LoRAConfig, ModelConfig, RivuletError, SpeculativeConfig
 from rivulet.core.outputs import GrammarBitmask, SchedulerOutput
 from rivulet.distributed import get_parallel_state
@@ -88,11 +87,14 @@ class ModelRunner:
                                    "(for now)")
             self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
             self.use_cuda_graphs = self.use_decode_program = False  # the adapters' segments change from step to step
-        self.forward_fn = self.model  # the compiled forward at --compilation-level 1
+        self.forward_fn = self.model  # the compiled forward at --compilation-level 1 and 2
         if model_config.compilation_level > 0:
             if get_parallel_state().world_size > 1:
-                raise RivuletError("--compilation-level 1 runs on one rank only (for now); use 0 with parallelism")
-            self.forward_fn = CompiledForward(self.model)
+                raise RivuletError("--compilation-level 1 and 2 run on one rank only (for now); use 0 with parallelism")
+            from rivulet.compilation import CompiledForward, parse_passes  # inductor only when compiling
+
+            passes = parse_passes(model_config.compilation_passes) if model_config.compilation_level == 2 else ()
+            self.forward_fn = CompiledForward(self.model, passes=passes)
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
         self.drafter = None  # speculative decoding's draft model: proposes after each sampling step
         # --task embed: each request's hidden states pooled into one vector (its params by request id)

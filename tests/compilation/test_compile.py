@@ -121,6 +121,8 @@ def test_kernel_ops_have_faithful_fake_implementations(dtype):
         (ops.silu_and_mul.default, (x,)),
         (ops.apply_rotary.default, (torch.arange(t), q, k, _rand(64, d), False)),
         (ops.write_kv_cache.default, (k, k.clone(), cache, torch.tensor([0, 5, 9, 2, 23]))),
+        (ops.rotary_write_kv_cache.default, (torch.arange(t), q, k, k.clone(), _rand(64, d), False, cache,
+                                             torch.tensor([0, 5, -1, 2, 23]))),
         (ops.decode_attention.default, (q, cache, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                                         torch.tensor([5, 8], dtype=torch.int32), torch.tensor([0, 4]),
                                         torch.tensor([0, 1]), torch.zeros_like(q), 0.25, 0)),

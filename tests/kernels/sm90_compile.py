@@ -84,6 +84,9 @@ def _call_wrappers(dtypes: tuple[torch.dtype, ...]) -> None:
             cs = torch.cat([inv.cos(), inv.sin()])[None].expand(64, -1).contiguous()
             rotary.apply_rotary(torch.zeros(3, dtype=torch.int64), torch.randn(3, 32, 128, dtype=dt),
                                 torch.randn(3, 8, 128, dtype=dt), cs, interleaved)
+            rotary.rotary_write_kv_cache(torch.zeros(3, dtype=torch.int64), torch.randn(3, 32, 128, dtype=dt),
+                                         torch.randn(3, 8, 128, dtype=dt), torch.randn(3, 8, 128, dtype=dt), cs,
+                                         interleaved, cache, torch.tensor([1, 5, -1]))
         kv_cache.write_kv_cache(torch.randn(3, 8, 128, dtype=dt), torch.randn(3, 8, 128, dtype=dt), cache,
                                 torch.tensor([1, 5, -1]))
         kv_copy.copy_blocks([cache, cache], [cache[:, :8], cache[:, 8:16]], torch.tensor([3, 9]), torch.tensor([0, 7]))

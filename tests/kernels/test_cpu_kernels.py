@@ -11,7 +11,7 @@ import torch
 from helpers.paged import scattered_batch
 from rivulet.kernels import paged_attention_ref
 from rivulet.kernels.activation import silu_and_mul_ref
-from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_ref
 from rivulet.kernels.cpu.attention import paged_attention_cpu
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -118,6 +118,36 @@ def test_write_kv_cache_from_a_fused_projection_into_a_big_cache(dtype: torch.dt
     keep = slots >= 0
     write_kv_cache_ref(k[keep], v[keep], want, slots[keep])
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d,rot,t", [(64, 64, 37), (128, 64, 5), (24, 24, 300)])  # streaming rows or not; rot < D
+def test_rotary_write_kv_cache_is_the_two_ops_bit_for_bit(dtype: torch.dtype, interleaved: bool, d: int, rot: int,
+                                                         t: int) -> None:
+    """The fused op (what the RoPE + KV-write pass calls) returns apply_rotary's queries and leaves the
+    cache exactly as apply_rotary then write_kv_cache would; q/k/v are views of one qkv output, as the
+    model passes them, and a negative slot writes nothing."""
+    from rivulet.platforms.cpu import CpuPlatform
+
+    hq, hk = 9, 3
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cs = rope_cos_sin_cache(inv_freq, 4096)
+    q, k, v = randn(t, (hq + 2 * hk) * d, dtype=dtype).split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.reshape(t, hq, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(2))
+    slots = torch.randperm(300 * 16, generator=torch.Generator().manual_seed(3))[:t]
+    slots[t // 2] = -1
+    cache = CpuPlatform().zeros((2, 300, 16, hk, d), dtype)
+    got_q = ext.rotary_write_kv_cache(positions, q, k, v, cs, interleaved, cache, slots)
+    want_cache = torch.zeros_like(cache)
+    want_q, want_k = ext.apply_rotary(positions, q, k, cs, interleaved)
+    ext.write_kv_cache(want_k, v, want_cache, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(cache, want_cache)
+    ref_cache = torch.zeros_like(cache)  # and the reference composition agrees with both
+    keep = slots >= 0
+    ref_q = rotary_write_kv_cache_ref(positions[keep], q[keep], k[keep], v[keep], cs, interleaved, ref_cache, slots[keep])
+    assert torch.equal(ref_q, got_q[keep]) and torch.equal(ref_cache, cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,12 +16,13 @@ from rivulet.kernels import (
     write_kv_cache_ref,
 )
 from rivulet.kernels.activation import gelu_tanh_and_mul_ref
+from rivulet.kernels.attention import rotary_write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from rivulet.kernels.triton.bitmask import apply_token_bitmask
 from rivulet.kernels.triton.kv_cache import write_kv_cache
 from rivulet.kernels.triton.norm import fused_add_rms_norm, rms_norm
-from rivulet.kernels.triton.rotary import apply_rotary
+from rivulet.kernels.triton.rotary import apply_rotary, rotary_write_kv_cache
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,6 +78,29 @@ def test_rotary(hq, hk, d, rot, interleaved, dtype):
     want_q, want_k = apply_rotary_ref(positions, q, k, cache, interleaved)
     close(got_q, want_q, dtype)
     close(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("hq,hk,d,rot", [(4, 4, 64, 64), (6, 2, 80, 40), (3, 1, 96, 48)])
+def test_rotary_write_kv_cache(hq, hk, d, rot, interleaved, dtype):
+    """The fused op returns the rotated queries and fills the cache like the reference composition;
+    q/k/v are views of one projection; a negative slot writes nothing."""
+    t, max_pos, num_blocks, block_size = 9, 100, 6, 4
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cs = rope_cos_sin_cache(inv_freq, max_pos).to(DEVICE)
+    positions = torch.randint(0, max_pos, (t,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    q, k, v = randn(t, (hq + 2 * hk) * d, dtype=dtype).split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(5))[:t].to(DEVICE)
+    slots[4] = -1
+    want = randn(2, num_blocks, block_size, hk, d, dtype=dtype)
+    got = want.clone()
+    keep = slots >= 0
+    want_q = rotary_write_kv_cache_ref(positions[keep], q[keep], k[keep], v[keep], cs, interleaved, want, slots[keep])
+    got_q = rotary_write_kv_cache(positions, q, k, v, cs, interleaved, got, slots)
+    close(got_q[keep], want_q, dtype)
+    close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

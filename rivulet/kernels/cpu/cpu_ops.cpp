@@ -84,6 +84,40 @@ std::vector<torch::Tensor> apply_rotary(torch::Tensor positions, torch::Tensor q
   return {qo, ko};
 }
 
+// Where a head row of D elements goes into a KV cache: by streaming stores when whole cache lines allow.
+// The slots are scattered over a cache of gigabytes, so an ordinary store first reads each line from
+// memory (150-180 us for the 64 tokens of a decode step, one line at a time); a streaming store writes
+// the line without reading it. Callers end with `kv_store_fence` so the rows are visible to every core
+// before attention reads them.
+template <typename TT>
+struct KVRowStore {
+  bool stream = false;
+  KVRowStore(const TT* cache, int64_t D, int64_t row, int64_t plane, bool contiguous_rows) {
+#ifdef __AVX512F__
+    stream = contiguous_rows && (D * sizeof(TT)) % 64 == 0 && (reinterpret_cast<uintptr_t>(cache) % 64) == 0 &&
+             (row * sizeof(TT)) % 64 == 0 && (plane * sizeof(TT)) % 64 == 0;
+#endif
+  }
+  // dst <- src[i * stride] for i < D
+  void operator()(TT* dst, const TT* src, int64_t D, int64_t stride) const {
+#ifdef __AVX512F__
+    if (stream) {
+      for (int64_t b = 0; b < int64_t(D * sizeof(TT)); b += 64)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(dst) + b),
+                            _mm512_loadu_si512(reinterpret_cast<const char*>(src) + b));
+      return;
+    }
+#endif
+    if (stride == 1) std::memcpy(dst, src, D * sizeof(TT));
+    else for (int64_t i = 0; i < D; ++i) dst[i] = src[i * stride];
+  }
+  void fence() const {
+#ifdef __AVX512F__
+    if (stream) _mm_sfence();
+#endif
+  }
+};
+
 // Store key/value [T, Hk, D] into kv_cache [2, num_blocks, block_size, Hk, D] at slot_mapping.
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.is_contiguous() && key.scalar_type() == kv_cache.scalar_type(), "write_kv_cache: cache");
@@ -99,42 +133,64 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
     const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
     // one thread: a 2048-token chunk moves ~1.5 MB, less than a fork/join of the OpenMP team costs
     // when the other thread is late (seen as barrier waits in prefill profiles)
-#ifdef __AVX512F__
-    // head rows of whole cache lines go by streaming stores: the slots are scattered over a cache of
-    // gigabytes, so an ordinary store first reads each line from memory (150-180 us for the 64 tokens
-    // of a decode step, one line at a time); a streaming store writes the line without reading it
-    const bool stream = ks2 == 1 && vs2 == 1 && (D * sizeof(TT)) % 64 == 0 &&
-                        (reinterpret_cast<uintptr_t>(c) % 64) == 0 && (row * sizeof(TT)) % 64 == 0 &&
-                        (plane * sizeof(TT)) % 64 == 0;
-#else
-    const bool stream = false;
-#endif
+    const KVRowStore<TT> store(c, D, row, plane, ks2 == 1 && vs2 == 1);
     for (int64_t t = 0; t < T; ++t) {
       if (sp[t] < 0) continue;
       for (int64_t h = 0; h < Hk; ++h) {
-        const TT* ks = kp + t * ks0 + h * ks1; const TT* vs = vp + t * vs0 + h * vs1;
-        TT* kd = c + sp[t] * row + h * D; TT* vd = c + plane + sp[t] * row + h * D;
-        if (stream) {
-#ifdef __AVX512F__
-          for (int64_t b = 0; b < int64_t(D * sizeof(TT)); b += 64) {
-            _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(kd) + b),
-                                _mm512_loadu_si512(reinterpret_cast<const char*>(ks) + b));
-            _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(vd) + b),
-                                _mm512_loadu_si512(reinterpret_cast<const char*>(vs) + b));
-          }
-#endif
-        } else if (ks2 == 1 && vs2 == 1) {
-          std::memcpy(kd, ks, D * sizeof(TT));
-          std::memcpy(vd, vs, D * sizeof(TT));
-        } else {
-          for (int64_t i = 0; i < D; ++i) { kd[i] = ks[i * ks2]; vd[i] = vs[i * vs2]; }
-        }
+        store(c + sp[t] * row + h * D, kp + t * ks0 + h * ks1, D, ks2);
+        store(c + plane + sp[t] * row + h * D, vp + t * vs0 + h * vs1, D, vs2);
       }
     }
-#ifdef __AVX512F__
-    if (stream) _mm_sfence();  // the rows are visible to every core before attention reads them
-#endif
+    store.fence();
   });
+}
+
+// apply_rotary, then write_kv_cache of the rotated keys, in one pass: each key head is rotated into a
+// buffer on the stack and stored into its cache slot (the rotated keys are never a tensor); returns the
+// rotated queries. The same arithmetic as the two ops (`rotate_head`), so the cache holds the same bits.
+// q [T, Hq, D], k [T, Hk, D] (last dims contiguous), value [T, Hk, D].
+torch::Tensor rotary_write_kv_cache(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor value,
+                                    torch::Tensor cache, bool interleaved, torch::Tensor kv_cache,
+                                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "rotary_write_kv_cache: q/k [T, H, D]");
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous(), "rotary_write_kv_cache: float32 cache");
+  TORCH_CHECK(kv_cache.is_contiguous() && k.scalar_type() == kv_cache.scalar_type() &&
+              value.scalar_type() == k.scalar_type() && value.dim() == 3 && value.sizes() == k.sizes() &&
+              kv_cache.size(-2) * kv_cache.size(-1) == k.size(1) * k.size(2),
+              "rotary_write_kv_cache: key/value [T, Hk, D] of the cache's dtype and row");
+  auto pos = positions.to(torch::kLong).contiguous();
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  auto qo = torch::empty(q.sizes(), q.options());
+  const int64_t T = q.size(0), D = q.size(2), Hk = k.size(1), rot = cache.size(1);
+  const int64_t plane = kv_cache.numel() / 2, row = Hk * D;
+  dispatch(q, "rotary_write_kv_cache", [&](auto tag) {
+    using TT = decltype(tag);
+    const int64_t* pp = pos.data_ptr<int64_t>(); const int64_t* sp = slots.data_ptr<int64_t>();
+    const float* cp = cache.data_ptr<float>();
+    TT* c = kv_cache.data_ptr<TT>();
+    const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
+    const KVRowStore<TT> store(c, D, row, plane, vs2 == 1);
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      std::vector<TT> buf(D);  // one rotated key head
+      TT* kr = buf.data();
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* cs = cp + pp[t] * rot;
+        const TT* qs = q.data_ptr<TT>() + t * q.stride(0);
+        TT* qd = qo.data_ptr<TT>() + t * qo.stride(0);
+        for (int64_t h = 0; h < q.size(1); ++h) rotate_head<TT>(qs + h * q.stride(1), qd + h * D, cs, D, rot, interleaved);
+        if (sp[t] < 0) continue;
+        const TT* ks = k.data_ptr<TT>() + t * k.stride(0);
+        for (int64_t h = 0; h < Hk; ++h) {
+          rotate_head<TT>(ks + h * k.stride(1), kr, cs, D, rot, interleaved);
+          store(c + sp[t] * row + h * D, kr, D, 1);
+          store(c + plane + sp[t] * row + h * D, value.data_ptr<TT>() + t * vs0 + h * vs1, D, vs2);
+        }
+      }
+      store.fence();  // each thread's own streaming stores
+    });
+  });
+  return qo;
 }
 
 #ifdef __AVX512F__
@@ -542,6 +598,8 @@ TORCH_LIBRARY_FRAGMENT(rivulet, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("apply_rotary(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool interleaved) -> (Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("rotary_write_kv_cache(Tensor positions, Tensor q, Tensor k, Tensor value, Tensor cos_sin_cache, "
+        "bool interleaved, Tensor(a!) kv_cache, Tensor slot_mapping) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor rows, "
         "Tensor seqs, Tensor(a!) out, float scale, int sliding_window) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -552,6 +610,7 @@ TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_op);
   m.impl("apply_rotary", &apply_rotary_op);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("rotary_write_kv_cache", &rotary_write_kv_cache);
   m.impl("decode_attention", &decode_attention);
   m.impl("silu_and_mul", &silu_and_mul);
 }
@@ -643,6 +702,7 @@ void register_cpu_ops(py::module& m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("apply_rotary", &apply_rotary);
   m.def("write_kv_cache", &write_kv_cache);
+  m.def("rotary_write_kv_cache", &rotary_write_kv_cache);
   m.def("decode_attention", &decode_attention);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("add_lora", &add_lora);

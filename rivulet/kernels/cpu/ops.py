@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rivulet.kernels.activation import silu_and_mul_ref
-from rivulet.kernels.attention import write_kv_cache_ref
+from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_ref
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.kv_copy import copy_blocks_ref
@@ -34,6 +34,7 @@ if AVAILABLE:
     silu_and_mul = _lib("silu_and_mul")
     apply_rotary = _lib("apply_rotary")
     write_kv_cache = _lib("write_kv_cache")
+    rotary_write_kv_cache = _lib("rotary_write_kv_cache")
     _int8_linear, _int4_linear = _lib("int8_linear"), _lib("int4_linear")
 
     # fake implementations: output shapes and dtypes for torch.compile's tracing, no arithmetic
@@ -56,6 +57,10 @@ if AVAILABLE:
     @torch.library.register_fake("rivulet::write_kv_cache")
     def _(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         return None
+
+    @torch.library.register_fake("rivulet::rotary_write_kv_cache")
+    def _(positions, q, k, value, cos_sin_cache, interleaved: bool, kv_cache, slot_mapping) -> torch.Tensor:
+        return q.new_empty(q.shape)
 
     @torch.library.register_fake("rivulet::decode_attention")
     def _(query, kv_cache, block_tables, seq_lens, rows, seqs, out, scale: float, sliding_window: int) -> None:
@@ -159,6 +164,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 if not AVAILABLE:  # same names, reference arithmetic
     rms_norm, fused_add_rms_norm = rms_norm_ref, fused_add_rms_norm_ref  # noqa: F811
     apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
+    rotary_write_kv_cache = rotary_write_kv_cache_ref  # noqa: F811
     int4_linear, silu_and_mul = int4_linear_ref, silu_and_mul_ref  # noqa: F811
     quantize_int4_weight, dequantize_gguf_blocks = quantize_int4_weight_ref, dequantize_gguf_blocks_ref  # noqa: F811
 

@@ -1,7 +1,9 @@
 """Rotary position embedding of q and k, neox or interleaved pairs, partial rotary supported.
 
 One program per token rotates all of its query heads and key heads; dimensions past
-``rotary_dim`` are copied unchanged. Out of place, like the reference.
+``rotary_dim`` are copied unchanged. Out of place, like the reference. `rotary_write_kv_cache` is
+the same rotation with the keys stored into their KV-cache slots (and the values beside them) instead
+of a tensor: the op of the RoPE + KV-write fusion pass.
 """
 
 from __future__ import annotations
@@ -88,3 +90,58 @@ def apply_rotary(
             HALF_PAD=triton.next_power_of_2(rot // 2), PASS_PAD=triton.next_power_of_2(max(d - rot, 1)),
             INTERLEAVED=interleaved)
     return qo, ko
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, cache_ptr, kv_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_vt, stride_cache, value_offset,
+    n_q_heads, n_k_heads,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    dtype = qo_ptr.dtype.element_ty
+    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin,
+                  HEAD_DIM, HALF, HQ_PAD, HALF_PAD, PASS_PAD, INTERLEAVED)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # the rotated keys go straight into the slot's key row, the values into its value row
+        width = n_k_heads * HEAD_DIM
+        row = kv_ptr + slot * width
+        _rotate_heads(k_ptr, row, t, stride_kt, stride_kh, 0, HEAD_DIM, n_k_heads, cos, sin,
+                      HEAD_DIM, HALF, HK_PAD, HALF_PAD, PASS_PAD, INTERLEAVED)
+        cols = tl.arange(0, WIDTH_PAD)
+        ok = cols < width
+        v = tl.load(v_ptr + t * stride_vt + cols, mask=ok)
+        tl.store(row + value_offset + cols, v.to(kv_ptr.dtype.element_ty), mask=ok)
+
+
+def rotary_write_kv_cache(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, cos_sin_cache: torch.Tensor,
+    interleaved: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Same as `rotary_write_kv_cache_ref` (plus: slots < 0 are skipped): one program per token rotates its
+    query heads, and its key heads into their cache row, beside its values."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("the KV cache must be contiguous")
+    q, k = _unit_last(q), _unit_last(k)
+    v = value.reshape(value.shape[0], -1)
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    rot = cos_sin_cache.shape[-1]
+    cache = _unit_last(cos_sin_cache)
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t:
+        _rotary_write_kv_kernel[(t,)](
+            positions, q, k, v, qo, cache, kv_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), v.stride(0),
+            cache.stride(0), kv_cache[0].numel(), hq, hk,
+            HEAD_DIM=d, HALF=rot // 2, HQ_PAD=triton.next_power_of_2(hq), HK_PAD=triton.next_power_of_2(hk),
+            HALF_PAD=triton.next_power_of_2(rot // 2), PASS_PAD=triton.next_power_of_2(max(d - rot, 1)),
+            WIDTH_PAD=triton.next_power_of_2(hk * d), INTERLEAVED=interleaved)
+    return qo
