@@ -4,10 +4,14 @@
   same shapes) in int4 and int8 at M rows, against the bf16 matmul on packed weights that bigger steps use;
 - `lm_head`: its LM head [49152, 576] in int8 (what `--quantization int4` keeps it in) at M rows;
 - `steps`: the default model's whole step of M tokens after 128 tokens of context (`--quantization int4`,
-  bf16, logits of every row, as a verify step of M - 1 drafts has), median of 60.
+  bf16, logits of every row, as a verify step of M - 1 drafts has), median of 60;
+- `decode` (`--decode S,...`): batched decode steps of S sequences (128 tokens of context each) with
+  `--quantization int4` in bf16, the decode program against layer by layer, alternated step by step
+  (above 32 sequences the program reads the bf16 panels, the layers the same weights).
 
     python benchmarks/quant_kernels.py --json benchmarks/results/quant_panels/after.json
     python benchmarks/quant_kernels.py --steps-only --rows 1,5 --reps 300 --json ...   # A/B of two builds
+    python benchmarks/quant_kernels.py --decode-only --decode 16,32,48,64 --json ...
 """
 
 from __future__ import annotations
@@ -75,18 +79,47 @@ def steps(rows: list[int], context: int = 128, reps: int = 60) -> dict:
     return out
 
 
+def decode(seqs: list[int], context: int = 128, reps: int = 30) -> dict:
+    runner = ModelRunner(ModelConfig(model="default", dtype="bfloat16", quantization="int4"),
+                         CacheConfig(block_size=16), resolve_model("default"))
+    per = context // 16 + 1
+    runner.allocate_kv_cache(max(seqs) * per)
+    program = runner.decode_program
+    out = {}
+    for s in seqs:
+        chunks = [SeqChunk([7], context, list(range(i * per, (i + 1) * per))) for i in range(s)]
+        ms: dict[str, list[float]] = {"program": [], "layers": []}
+        for i in range(reps + 1):
+            for name in (("program", "layers") if i % 2 else ("layers", "program")):
+                runner.decode_program = program if name == "program" else None
+                t0 = time.perf_counter()
+                runner.forward(chunks)
+                if i:  # the first round warms up
+                    ms[name].append((time.perf_counter() - t0) * 1e3)
+        runner.decode_program = program
+        row = {f"{k}_ms": round(statistics.median(v), 3) for k, v in ms.items()}
+        row["speedup_paired"] = round(statistics.median(b / a for a, b in zip(ms["program"], ms["layers"])), 3)
+        out[s] = row
+        print(f"decode {s} seqs: {row}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
     ap.add_argument("--json")
     ap.add_argument("--steps-only", action="store_true", help="only the whole steps (for A/B runs of two builds)")
     ap.add_argument("--reps", type=int, default=60, help="steps timed per M")
+    ap.add_argument("--decode", default="", help="sequence counts of the batched decode steps (e.g. 16,32,48,64)")
+    ap.add_argument("--decode-only", action="store_true", help="only the batched decode steps")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = [int(r) for r in args.rows.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "linears": {} if args.steps_only else linears(rows),
-              "steps": steps([r for r in rows if r <= 8], reps=args.reps)}
+    only = args.steps_only or args.decode_only
+    result = {"commit": commit, "linears": {} if only else linears(rows),
+              "steps": {} if args.decode_only else steps([r for r in rows if r <= 8], reps=args.reps),
+              "decode": decode([int(s) for s in args.decode.split(",")]) if args.decode else {}}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

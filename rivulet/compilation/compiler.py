@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from rivulet.compilation.passes import FusionPasses
+from rivulet.compilation.passes import FusionPasses, inductor_pass
 from rivulet.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class CompiledForward:
         return dict(self.passes.applied)
 
     def _inductor_options(self) -> dict[str, Any]:
-        return {"pre_grad_custom_pass": self.passes} if self.passes.names else {}
+        return {"pre_grad_custom_pass": inductor_pass(self.passes)} if self.passes.names else {}
 
     def _kv_caches(self) -> list[torch.Tensor]:
         return [c for m in self.model.modules() if isinstance(c := getattr(m, "kv_cache", None), torch.Tensor)]

@@ -6,7 +6,8 @@ The model calls fused kernels where its own code can (residual add + RMSNorm, Si
 fuse what crosses module boundaries. `--compilation-level 2` runs every pass in `PASSES`, or those
 `--compilation-passes` names (a comma list; '' for none). Each pass is a function `graph -> number of
 rewrites`; `FusionPasses` runs the chosen ones, counts their rewrites per pass (`applied`), and gives
-inductor the `uuid` its caches key on (the passes' names and source).
+inductor the `uuid` its caches key on (the passes' names and source). Importing this module imports
+no inductor (nor the Triton it brings): `inductor_pass` wraps the passes when a compile starts.
 
 - `rope_kv_write`: `apply_rotary(q, k)` whose rotated keys only go (through views) to
   `write_kv_cache(keys, values, cache, slots)` becomes one `rotary_write_kv_cache(q, k, values, ...)`
@@ -22,7 +23,6 @@ from typing import Callable, Iterable
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from rivulet.config import RivuletError
 
@@ -111,7 +111,7 @@ def parse_passes(spec: str | None) -> tuple[str, ...]:
     return names
 
 
-class FusionPasses(CustomGraphPass):
+class FusionPasses:
     """The chosen passes as one inductor pre-grad pass; `applied` counts each pass's rewrites over every
     graph compiled in this process (a graph loaded from disk was rewritten when it was compiled)."""
 
@@ -128,3 +128,17 @@ class FusionPasses(CustomGraphPass):
         h = hashlib.sha256(inspect.getsource(inspect.getmodule(FusionPasses)).encode())  # type: ignore[arg-type]
         h.update(",".join(self.names).encode())
         return h.hexdigest()
+
+
+def inductor_pass(passes: FusionPasses) -> object:
+    """`passes` as inductor's `CustomGraphPass` (the type its caches accept), for `pre_grad_custom_pass`."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            passes(graph)
+
+        def uuid(self) -> str:
+            return passes.uuid()
+
+    return _Pass()

@@ -11,7 +11,9 @@ It is the CPU's counterpart of a CUDA-graph replay, and `--enforce-eager` turns 
 It takes steps with at most `MAX_QUERY` tokens per sequence: with `--quantization int8|int4`, of up to
 `small_step_rows()` tokens (32; the steps that read the compact weight copies); with bf16 weights packed
 in panels (the kernel of AVX512-BF16 CPUs without AMX, `kernels/cpu/bf16_linear.cpp`), of up to 64 tokens:
-decode steps of that many sequences, k-token verify steps, short prefill chunks. Each token
+decode steps of that many sequences, k-token verify steps, short prefill chunks. A quantized model whose
+original weights are bf16 panels gets both programs: the compact copies' up to 32 tokens, the panels'
+up to 64 (the steps its layers would run on the original weights). Each token
 attends to its own context [0, position] with the decode kernel, so a token of a multi-token step
 gets exactly the numbers it would get decoded alone (the layer-by-layer path takes multi-token
 sequences through the prefill kernel, whose sums run in another order). Bigger steps, and any model
@@ -35,10 +37,16 @@ MAX_QUERY = 8  # tokens of one sequence in a step the program takes (a verify st
 
 
 class DecodeProgram:
-    """The native program and the steps it takes (`run` returns None for any other step)."""
+    """The native programs, each with the most tokens it takes, fewest first (`run` returns None for any
+    other step): one, or a quantized model's compact-copy program and its bf16-panel program."""
 
-    def __init__(self, native: object, max_rows: int) -> None:
-        self.native, self.max_rows = native, max_rows
+    def __init__(self, natives: list[tuple[int, object]]) -> None:
+        self.natives = sorted(natives, key=lambda rn: rn[0])
+        self.max_rows = self.natives[-1][0]
+
+    @property
+    def native(self) -> object:
+        return self.natives[0][1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             layout: BatchLayout) -> torch.Tensor | None:
@@ -51,17 +59,20 @@ class DecodeProgram:
         if layout.num_seqs != t:  # some sequence has several tokens: which sequence each token is of
             qsl = layout.query_start_loc
             seqs = torch.tensor([i for i in range(layout.num_seqs) for _ in range(qsl[i + 1] - qsl[i])])
-        return self.native.run(input_ids, positions, meta.slot_mapping, meta.block_tables, seqs)  # type: ignore[attr-defined]
+        native = next(n for rows, n in self.natives if t <= rows)
+        return native.run(input_ids, positions, meta.slot_mapping, meta.block_tables, seqs)  # type: ignore[attr-defined]
 
 
-def _weights(linear: torch.nn.Module) -> tuple[torch.Tensor, int] | None:
+def _weights(linear: torch.nn.Module, original: bool = False) -> tuple[torch.Tensor, int] | None:
     """A linear's weight as the program reads it (int8/int4 or bf16 panels), and the most rows it serves;
-    None if it cannot."""
+    None if it cannot. `original`: a quantized linear's original weight instead of its compact copy."""
     quant = getattr(linear, "quant", None)
     if getattr(linear, "lora", None) is not None:
         return None
     if isinstance(quant, WeightOnly):
-        return quant.panels, quant.max_rows
+        if not original:
+            return quant.panels, quant.max_rows
+        quant = quant.dense
     packed = quant.packed if isinstance(quant, Prepacked) else None
     if packed is not None and packed.dim() == 3 and packed.dtype == torch.bfloat16 and getattr(
             load_cpu_ext(), "DECODE_PROGRAM_PANELS", False):
@@ -107,23 +118,35 @@ def build_decode_program(model: torch.nn.Module) -> tuple[DecodeProgram | None, 
     if (why := unsupported_reason(model)) is not None:
         return None, why
     assert isinstance(model, LlamaForCausalLM)
+    layers = model.model.layers
+    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               for layer in layers]
+    candidates = [[[_weights(lin) for lin in lins] for lins in linears]]
+    if all(isinstance(getattr(lin, "quant", None), WeightOnly) for lins in linears for lin in lins):
+        candidates.append([[_weights(lin, original=True) for lin in lins] for lins in linears])
+    natives = []
+    for ws in candidates:
+        if any(w is None for lw in ws for w in lw):
+            continue  # a quantized model's original weights that are not bf16 panels
+        max_rows = min(w[1] for lw in ws for w in lw)  # type: ignore[index]
+        try:
+            natives.append((max_rows, _native(model, ws, max_rows)))  # type: ignore[arg-type]
+        except RuntimeError as e:  # a shape the native code has no kernel for (e.g. an unusual head dim)
+            return None, f"the native program refused the model: {str(e).splitlines()[0]}"
+    return DecodeProgram(natives), None
+
+
+def _native(model: LlamaForCausalLM, weights: list[list[tuple[torch.Tensor, int]]], max_rows: int) -> object:
     cfg, m = model.config, model.model
     first = m.layers[0].self_attn
-    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-               for layer in m.layers]
-    weights = [[_weights(lin) for lin in lins] for lins in linears]
-    max_rows = min(w[1] for ws in weights for w in ws)  # type: ignore[index]
-    try:
-        native = load_cpu_ext().DecodeProgram(  # type: ignore[union-attr]
-            m.embed_tokens.weight.detach(), m.norm.weight.detach(), first.rotary_emb.cos_sin_cache,
-            first.rotary_emb.interleaved, cfg.rms_norm_eps, first.attn.scale, first.attn.num_heads,
-            first.attn.num_kv_heads, first.head_dim, m.layers[0].mlp.down_proj.in_features, max_rows)
-        for layer, (qkv, o, gate_up, down) in zip(m.layers, weights):
-            attn = layer.self_attn
-            bias = attn.qkv_proj.bias.detach() if attn.qkv_proj.bias is not None else None
-            qk = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
-            native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                             qkv[0], bias, o[0], gate_up[0], down[0], attn.attn.kv_cache, *qk)  # type: ignore[index]
-    except RuntimeError as e:  # a shape the native code has no kernel for (e.g. an unusual head dim)
-        return None, f"the native program refused the model: {str(e).splitlines()[0]}"
-    return DecodeProgram(native, max_rows), None
+    native = load_cpu_ext().DecodeProgram(  # type: ignore[union-attr]
+        m.embed_tokens.weight.detach(), m.norm.weight.detach(), first.rotary_emb.cos_sin_cache,
+        first.rotary_emb.interleaved, cfg.rms_norm_eps, first.attn.scale, first.attn.num_heads,
+        first.attn.num_kv_heads, first.head_dim, m.layers[0].mlp.down_proj.in_features, max_rows)
+    for layer, (qkv, o, gate_up, down) in zip(m.layers, weights):
+        attn = layer.self_attn
+        bias = attn.qkv_proj.bias.detach() if attn.qkv_proj.bias is not None else None
+        qk = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
+        native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                         qkv[0], bias, o[0], gate_up[0], down[0], attn.attn.kv_cache, *qk)
+    return native
