@@ -42,6 +42,17 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cache_ptr, t, stride_cache, dtype: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token t's cos and sin [1, HALF_PAD]: the table is float32; the reference first casts it to the
+    activation dtype."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cache,
@@ -50,12 +61,7 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    i = tl.arange(0, HALF_PAD)[None, :]
-    # the table is float32; the reference first casts it to the activation dtype
-    dtype = qo_ptr.dtype.element_ty
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_cache, qo_ptr.dtype.element_ty, HALF, HALF_PAD)
     _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin,
                   HEAD_DIM, HALF, HQ_PAD, HALF_PAD, PASS_PAD, INTERLEAVED)
     _rotate_heads(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, n_k_heads, cos, sin,
@@ -101,11 +107,7 @@ def _rotary_write_kv_kernel(
     HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    i = tl.arange(0, HALF_PAD)[None, :]
-    dtype = qo_ptr.dtype.element_ty
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_cache, qo_ptr.dtype.element_ty, HALF, HALF_PAD)
     _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin,
                   HEAD_DIM, HALF, HQ_PAD, HALF_PAD, PASS_PAD, INTERLEAVED)
     slot = tl.load(slot_ptr + t).to(tl.int64)
