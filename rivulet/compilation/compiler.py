@@ -8,7 +8,11 @@ inductor compiles the PyTorch between them (views, splits, embedding, the glue o
 What it removes is the interpreter: module calls, argument checks, per-op dispatch of the glue.
 
 Two graphs per model: steps of one token, and steps of more (any count: the token dimension is
-dynamic, the weights static, the metadata sizes unbacked). Each is compiled ahead of time
+dynamic, the weights static, the metadata sizes unbacked). A model with weight-only int8/int4 linears,
+which read their compact copies up to R rows and the original weights beyond, gets three: one token,
+2 to R, and more than R, each token range declared to Dynamo, so that the row test is decided once per
+graph (one multi-token graph would be specialized on the first step's side of it and recompiled, tens of
+seconds in the middle of serving, at the first step on the other side). Each is compiled ahead of time
 (`torch.compile(...).aot_compile`) at the first step of its kind and saved, Dynamo's guards and
 inductor's code together, under ~/.cache/rivulet/compile/aot (or $RIVULET_CACHE_DIR/compile/aot),
 named by a fingerprint of everything the trace depends on (torch, the Rivulet sources, the CPU, the
@@ -35,13 +39,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
 from rivulet.compilation.passes import FusionPasses, inductor_pass
 from rivulet.kernels.attention import AttentionMetadata
+from rivulet.layers.quantization import WeightOnly
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +115,27 @@ def _describe_value(v: Any) -> str | None:
     return None
 
 
+class StepKind(NamedTuple):
+    """Steps of `lo` to `hi` tokens (None: no upper bound), one compiled graph; `name` names its file."""
+
+    name: str
+    lo: int
+    hi: int | None
+
+    def takes(self, tokens: int) -> bool:
+        return self.lo <= tokens and (self.hi is None or tokens <= self.hi)
+
+
+def step_kinds(model: nn.Module) -> list[StepKind]:
+    """One token, and more; with weight-only linears (compact copies up to R rows) more is split at R."""
+    rows = min((m.quant.max_rows for m in model.modules() if isinstance(getattr(m, "quant", None), WeightOnly)),
+               default=None)
+    if rows is None or rows < 2:
+        return [StepKind("one-token", 1, 1), StepKind("multi-token", 2, None)]
+    return [StepKind("one-token", 1, 1), StepKind(f"2-{rows}-token", 2, rows),
+            StepKind(f"multi-token-over-{rows}", rows + 1, None)]
+
+
 def model_fingerprint(model: nn.Module, passes: tuple[str, ...] = ()) -> str:
     """A digest of the model as a trace sees it: module types, their plain attributes (sizes, eps, flags,
     the kernel each one calls), every weight's shape, strides and dtype, the environment, and the fusion
@@ -134,6 +160,7 @@ class CompiledForward:
     not on disk is compiled at the first step of its kind and saved. `compile_s` adds up load and
     compile time, `loaded` and `compiled` name the kinds that came from disk or were compiled,
     `fallbacks` counts steps that went to the in-process `torch.compile` (see the module docstring).
+    `kinds` are the token ranges with a graph each (`step_kinds`).
     `passes` names the fusion passes to run (level 2); `fusions` counts their rewrites in the graphs
     this process compiled."""
 
@@ -147,25 +174,26 @@ class CompiledForward:
         self.loaded: set[str] = set()
         self.compiled: set[str] = set()
         self.fallbacks = 0
-        self._graphs: dict[bool, Any] = {}  # kind -> AOTCompiledFunction, called as fn(model, ids, positions, meta)
+        self.kinds = step_kinds(model)
+        self._graphs: dict[StepKind, Any] = {}  # kind -> AOTCompiledFunction, called as fn(model, ids, positions, meta)
         self._jit: ModelForward | None = None  # torch.compile(model) where the saved graph cannot serve
-        self._loading: dict[bool, Future] = {}
-        saved = [multi for multi in (True, False) if (p := self._path(multi)) is not None and p.is_file()]
+        self._loading: dict[StepKind, Future] = {}
+        saved = [kind for kind in self.kinds if (p := self._path(kind)) is not None and p.is_file()]
         if saved:
             pool = ThreadPoolExecutor(1, thread_name_prefix="rivulet-compile-load")
-            self._loading = {multi: pool.submit(self._load, multi) for multi in saved}
+            self._loading = {kind: pool.submit(self._load, kind) for kind in saved}
             pool.shutdown(wait=False)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        multi = input_ids.shape[0] > 1
-        if multi not in self._graphs:
-            loading = self._loading.pop(multi, None)
+        kind = next(k for k in self.kinds if k.takes(input_ids.shape[0]))
+        if kind not in self._graphs:
+            loading = self._loading.pop(kind, None)
             graph = loading.result() if loading is not None else None
             if graph is None:
-                with _marked(multi, input_ids, positions, meta, self._kv_caches()):
-                    graph = self._compile(multi, input_ids, positions, meta)
-            self._graphs[multi] = graph
-        graph = self._graphs[multi]
+                with _marked(kind, input_ids, positions, meta, self._kv_caches()):
+                    graph = self._compile(kind, input_ids, positions, meta)
+            self._graphs[kind] = graph
+        graph = self._graphs[kind]
         if graph is not None:
             try:
                 return graph(self.model, input_ids, positions, meta)
@@ -173,10 +201,10 @@ class CompiledForward:
                 if not str(e).startswith(_GUARD_FAILED):
                     raise
                 logger.warning("the saved %s graph does not fit this step (%s); using torch.compile",
-                               _describe(multi), " ".join(str(e).split()))
-                self._graphs[multi] = None
+                               kind.name, " ".join(str(e).split()))
+                self._graphs[kind] = None
         self.fallbacks += 1
-        with _marked(multi, input_ids, positions, meta, self._kv_caches()):
+        with _marked(kind, input_ids, positions, meta, self._kv_caches()):
             return self._jit_forward(input_ids, positions, meta)
 
     @property
@@ -189,11 +217,11 @@ class CompiledForward:
     def _kv_caches(self) -> list[torch.Tensor]:
         return [c for m in self.model.modules() if isinstance(c := getattr(m, "kv_cache", None), torch.Tensor)]
 
-    def _path(self, multi: bool) -> Path | None:
-        return None if self.cache_dir is None else self.cache_dir / f"{self.fingerprint}-{_describe(multi)}.bin"
+    def _path(self, kind: StepKind) -> Path | None:
+        return None if self.cache_dir is None else self.cache_dir / f"{self.fingerprint}-{kind.name}.bin"
 
-    def _load(self, multi: bool) -> Any:
-        kind, path, start = _describe(multi), self._path(multi), time.perf_counter()
+    def _load(self, step: StepKind) -> Any:
+        kind, path, start = step.name, self._path(step), time.perf_counter()
         assert path is not None
         _trust_reported_isa()
         try:
@@ -211,9 +239,9 @@ class CompiledForward:
         logger.info("loaded the compiled model for %s steps in %.1f s (%s)", kind, took, path)
         return graph
 
-    def _compile(self, multi: bool, input_ids: torch.Tensor, positions: torch.Tensor,
+    def _compile(self, step: StepKind, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> Any:
-        kind, path, start = _describe(multi), self._path(multi), time.perf_counter()
+        kind, path, start = step.name, self._path(step), time.perf_counter()
         _trust_reported_isa()
         try:
             # float attributes (eps) as constants: dynamo's restart to specialize them has no place in AOT
@@ -244,17 +272,19 @@ class CompiledForward:
         return self._jit(input_ids, positions, meta)
 
 
-_MARKS = ("_dynamo_dynamic_indices", "_dynamo_unbacked_indices", "_dynamo_shape_ids", "_dynamo_unbacked_bounds",
-          "_has_dynamo_dim_marking")
+_MAX_TOKENS = 1 << 30  # "no upper bound" for a range Dynamo is given (it wants a number)
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
+          "_dynamo_unbacked_indices", "_dynamo_shape_ids", "_dynamo_unbacked_bounds", "_has_dynamo_dim_marking")
 
 
 @contextmanager
-def _marked(multi: bool, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+def _marked(kind: StepKind, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> Iterator[None]:
     """Dynamo's size annotations on a step's inputs while it traces them, taken off afterwards: a saved
     graph guards that a tensor it saw unmarked comes unmarked, and some metadata tensors live on.
 
-    The token dimension is dynamic for steps of more than one token (a count of 1 is the other kind);
+    The token dimension is dynamic for steps of more than one token, within the kind's range (a count of 1
+    is its own kind);
     the metadata and the KV caches only reach opaque kernels, so their sizes are unbacked: no guards,
     and no specialization on a size of 0 or 1 (a step without decodes, a block table one block wide)."""
     marked = [meta.slot_mapping, meta.query_start_loc, meta.seq_lens, *meta.plan.values(), meta.block_tables]
@@ -265,9 +295,10 @@ def _marked(multi: bool, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     for cache in kv_caches:  # [2, num_blocks, ...]: a saved graph serves any KV cache size
         torch._dynamo.decorators.mark_unbacked(cache, 1)
         marked.append(cache)
-    if multi:
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+    if kind.hi != 1:
+        hi = kind.hi or _MAX_TOKENS
+        torch._dynamo.mark_dynamic(input_ids, 0, min=kind.lo, max=hi)
+        torch._dynamo.mark_dynamic(positions, 0, min=kind.lo, max=hi)
         marked += [input_ids, positions]
     try:
         yield
@@ -277,6 +308,3 @@ def _marked(multi: bool, input_ids: torch.Tensor, positions: torch.Tensor, meta:
                 if hasattr(t, attr):
                     delattr(t, attr)
 
-
-def _describe(multi: bool) -> str:
-    return "multi-token" if multi else "one-token"

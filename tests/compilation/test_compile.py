@@ -51,6 +51,35 @@ def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeyp
     assert len(list((tmp_path / "compile" / "aot").glob(f"{compiled.fingerprint}-*.bin"))) == 2
 
 
+@needs_ext
+def test_weight_only_models_get_a_graph_per_side_of_the_row_test(tiny_model_dir, tmp_path, monkeypatch):
+    """int4 linears read their compact copies up to R rows and the original weights beyond: the multi-token
+    steps get two graphs, 2..R tokens and more, each compiled (then loaded) once, with no fallback to an
+    in-process compile when steps cross R (one graph would have been specialized on the first side)."""
+    from rivulet.layers.quantization import small_step_rows
+
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_model_dir("llama")
+    r = small_step_rows()
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=2 * r, block_size=4, quantization="int4")
+    rng = random.Random(3)
+    alone = [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(r - 10)]}]  # one sequence of r - 10 tokens
+    many = [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(n)]} for n in (r - 10, r - 5, r + 1)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    eager = LLM(str(path), **kw)
+    want = _tokens(eager, alone, [params]) + _tokens(eager, many, [params] * 3)
+    eager.shutdown()
+    kinds = {f"2-{r}-token", f"multi-token-over-{r}"}
+    for start in ("compiles", "loads"):
+        llm = LLM(str(path), compilation_level=1, **kw)
+        compiled = llm.engine.core.executor.runner.forward_fn
+        assert [k.name for k in compiled.kinds] == ["one-token", *sorted(kinds, key=len)]
+        assert _tokens(llm, alone, [params]) + _tokens(llm, many, [params] * 3) == want, start
+        assert compiled.fallbacks == 0, start
+        assert (compiled.compiled if start == "compiles" else compiled.loaded) == kinds, start
+        llm.shutdown()
+
+
 def test_a_saved_graph_reads_the_weights_of_the_model_that_loads_it(tiny_model_dir, tmp_path, monkeypatch):
     """Weights are inputs of the saved graph, not constants: a model with the same shapes and other
     values (same fingerprint) loads the file and computes with its own weights."""
