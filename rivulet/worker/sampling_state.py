@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rivulet.layers.sampler import SamplingMetadata, _check_token_id, position_seed
+from rivulet.layers.sampler import position_seed
+from rivulet.layers.sampling_metadata import SamplingMetadata, check_token_id
 from rivulet.sampling_params import SamplingParams
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
@@ -66,9 +67,9 @@ class SamplingState:
         blocked = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos))
         self.blocked[row] = sorted(blocked) if p.min_tokens > 0 else []
         for t in self.blocked[row]:
-            _check_token_id("min_tokens stop token", t, v)
+            check_token_id("min_tokens stop token", t, v)
         for t in p.logit_bias or {}:
-            _check_token_id("logit_bias", t, v)
+            check_token_id("logit_bias", t, v)
         self.biased[row] = bool(p.logit_bias)
         self.penalized[row] = p.has_penalties
         if p.has_penalties:

@@ -10,11 +10,11 @@ import torch
 
 from rivulet.layers.sampler import (
     Sampler,
-    SamplingMetadata,
     apply_top_k,
     apply_top_k_top_p,
     random_sample,
 )
+from rivulet.layers.sampling_metadata import SamplingMetadata
 from rivulet.sampling_params import SamplingParams
 
 VOCAB = 12

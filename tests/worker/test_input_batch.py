@@ -10,7 +10,8 @@ import torch
 
 from rivulet.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from rivulet.kernels.ops import get_op
-from rivulet.layers.sampler import SamplingMetadata, apply_token_bitmask
+from rivulet.layers.sampler import apply_token_bitmask
+from rivulet.layers.sampling_metadata import SamplingMetadata
 from rivulet.sampling_params import SamplingParams
 from rivulet.worker.batch import SeqChunk, build_flat_batch
 from rivulet.worker.input_batch import InputBatch
