@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rivulet.plugins import load_kernel_plugins
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -225,7 +227,13 @@ def build_attention_metadata(layout: BatchLayout, slot_mapping: torch.Tensor, bl
     return AttentionMetadata(slot_mapping, block_tables, query_start_loc, seq_lens, plan_attention(backend, layout))
 
 
+def register_attention_backend(name: str, fn: AttentionFn) -> None:
+    """Add (or replace) attention backend `name` (a platform's `attention_backend()` names it)."""
+    ATTENTION_BACKENDS[name] = fn
+
+
 def get_attention_backend(name: str) -> AttentionFn:
+    load_kernel_plugins()  # out-of-tree backends register theirs first (once)
     if name not in ATTENTION_BACKENDS and name in _LAZY_BACKENDS:
         module, fn = _LAZY_BACKENDS[name]
         ATTENTION_BACKENDS[name] = getattr(importlib.import_module(module), fn)

@@ -4,7 +4,8 @@ Every op has a "torch" implementation (the plain PyTorch reference, which runs a
 backends register beside it. A backend's implementations are named by "module:function" strings
 and imported on first use, so importing Rivulet never requires Triton. Layers ask for their ops
 once, at construction, through `get_op(name)`, which picks the current platform's backend
-(`Platform.kernel_backend()`) and falls back to the reference for ops that backend lacks.
+(`Platform.kernel_backend()`) and falls back to the reference for ops that backend lacks. Backends of
+other packages register theirs from a `rivulet.kernels` plugin (`rivulet/plugins.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, fp8_linear_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight, quantize_int8_weight)
 from rivulet.kernels.rotary import apply_rotary_ref
+from rivulet.plugins import load_kernel_plugins
 
 OpImpl = Callable[..., object]
 
@@ -90,6 +92,7 @@ def _resolve(impl: OpImpl | str) -> OpImpl:
 def get_op(name: str, backend: str | None = None) -> OpImpl:
     """`backend`'s implementation of `name` (default: the current platform's kernel backend),
     or the reference when that backend has none."""
+    load_kernel_plugins()  # out-of-tree backends register their implementations first (once)
     if name not in _OPS:
         raise ValueError(f"unknown op {name!r}; known: {op_names()}")
     if backend is None:
