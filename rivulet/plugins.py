@@ -3,6 +3,9 @@
 - `rivulet.platforms`: each entry point names a `Platform` subclass. `current_platform()` probes them,
   in entry-point name order, before the built-in CUDA and CPU platforms: a new accelerator is a package
   that declares its platform, not a change here.
+- `rivulet.models`: each entry point is named after a Hugging Face `architectures` entry and names the model
+  class that serves it (built from `ArchConfig`, like the built-in ones); it takes precedence over a
+  built-in class of the same name.
 - `rivulet.kernels`: each entry point names a function called once, with no arguments, before the first
   op or attention backend is looked up. It registers its backend's implementations with
   `rivulet.kernels.ops.register_op(name, backend, impl)` and
@@ -23,6 +26,7 @@ from functools import cache
 from rivulet.config import RivuletError
 
 PLATFORM_GROUP = "rivulet.platforms"
+MODEL_GROUP = "rivulet.models"
 KERNEL_GROUP = "rivulet.kernels"
 
 
@@ -54,6 +58,20 @@ def platform_plugins() -> tuple[type, ...]:
             raise RivuletError(f"plugin {ep.group}:{ep.name} ({ep.value}) is not a rivulet Platform subclass")
         classes.append(cls)
     return tuple(classes)
+
+
+@cache
+def model_plugins() -> dict[str, type]:
+    """Architecture name -> the model class an installed package declares for it."""
+    import torch
+
+    models = {}
+    for ep in _selected(MODEL_GROUP):
+        cls = _load(ep)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise RivuletError(f"plugin {ep.group}:{ep.name} ({ep.value}) is not a torch.nn.Module subclass")
+        models[ep.name] = cls
+    return models
 
 
 _kernel_plugins: list[str] | None = None  # the names called, once loading has begun

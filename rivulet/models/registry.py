@@ -1,4 +1,5 @@
-"""Model classes keyed by the Hugging Face `architectures` name."""
+"""Model classes keyed by the Hugging Face `architectures` name; installed packages add theirs as
+`rivulet.models` entry points (`rivulet/plugins.py`), which take precedence."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rivulet.models.bert import BertModel
 from rivulet.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from rivulet.models.llama import LlamaForCausalLM
 from rivulet.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from rivulet.plugins import model_plugins
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,9 +29,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
+    registry = {**MODEL_REGISTRY, **model_plugins()}
     try:
-        return MODEL_REGISTRY[architecture]
+        return registry[architecture]
     except KeyError:
         raise RivuletError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(registry))}"
         ) from None

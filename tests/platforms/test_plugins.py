@@ -1,12 +1,14 @@
-"""Out-of-tree platforms and kernels (`rivulet/plugins.py`): an installed package that declares a
-`rivulet.platforms` and a `rivulet.kernels` entry point is probed first and its kernels are used; the
-others fall back to the references; `RIVULET_PLUGINS` selects; a broken plugin is a clear error.
-Each case runs in a fresh interpreter (the platform is chosen once per process)."""
+"""Out-of-tree platforms, kernels and models (`rivulet/plugins.py`): an installed package that declares a
+`rivulet.platforms` and a `rivulet.kernels` entry point is probed first and its kernels are used (the
+others fall back to the references); a `rivulet.models` entry point serves its architecture;
+`RIVULET_PLUGINS` selects; a broken plugin is a clear error. Each case runs in a fresh interpreter
+(the platform is chosen once per process)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,9 +20,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 PLUGIN = '''
 from rivulet.kernels.norm import rms_norm_ref
+from rivulet.models.llama import LlamaForCausalLM
 from rivulet.platforms.cpu import CpuPlatform
 
-CALLS = {"rms_norm": 0, "attention": 0}
+CALLS = {"rms_norm": 0, "attention": 0, "models": 0}
+
+
+class FakeLlama(LlamaForCausalLM):
+    """A new architecture name served by the Llama code (counting the models built)."""
+
+    def __init__(self, *args, **kwargs):
+        CALLS["models"] += 1
+        super().__init__(*args, **kwargs)
 
 
 class FakePlatform(CpuPlatform):
@@ -96,6 +107,8 @@ def installed(tmp_path):
         fake = fakeplug:FakePlatform
         [rivulet.kernels]
         fake = fakeplug:register
+        [rivulet.models]
+        FakeLlamaForCausalLM = fakeplug:FakeLlama
         """)
     return tmp_path
 
@@ -117,6 +130,24 @@ def test_rivulet_plugins_selects_which_load(installed, tiny_model_dir):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["platform"] == "cpu" and got["plugins"] == [] and got["calls"] is None
+
+
+def test_a_plugin_model_serves_its_architecture(installed, tiny_model_dir, tmp_path):
+    path, _ = tiny_model_dir("llama")
+    renamed = tmp_path / "renamed"
+    shutil.copytree(path, renamed)
+    cfg = json.loads((renamed / "config.json").read_text())
+    cfg["architectures"] = ["FakeLlamaForCausalLM"]
+    (renamed / "config.json").write_text(json.dumps(cfg))
+    outs = {}
+    for name, folder, plugins in (("plugin", renamed, "FakeLlamaForCausalLM"), ("built-in", path, "")):
+        p = _run(installed, RUN, str(folder), plugins=plugins)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert outs["plugin"]["platform"] == "cpu" and outs["plugin"]["calls"]["models"] == 1
+    assert outs["plugin"]["tokens"] == outs["built-in"]["tokens"]  # the same weights through the same code
+    p = _run(installed, RUN, str(renamed), plugins="")
+    assert p.returncode != 0 and "unsupported architecture 'FakeLlamaForCausalLM'" in p.stderr
 
 
 def test_a_broken_plugin_is_a_clear_error(tmp_path):
