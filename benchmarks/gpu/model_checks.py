@@ -8,6 +8,8 @@ run the same weights. Then, each step guarded on its own:
 - logits of one prompt, Rivulet vs transformers (the port is right at full size);
 - batch-1 decode through the model runner, eager vs CUDA graphs (same greedy tokens?), tok/s
   against the bandwidth bound (bytes read per token / measured copy bandwidth, in the report);
+- where a decode step's time goes at batch 1 and at the throughput run's batch: wall vs device ms
+  per step (the difference is host time) and the kernels that take most device time;
 - batch-1 `LLM.generate`, eager vs graphs; offline throughput N x in/out; transformers' `generate`
   on the same prompts; a long run (e.g. 1000/1000) when the time budget allows;
 - structured output (when xgrammar is importable): the same shape with a word-level tokenizer over the
@@ -142,6 +144,50 @@ def decode_with_runner(runner: Any, prompt: list[int], steps: int, device: torch
     return steps / (time.perf_counter() - t0), tokens
 
 
+def profile_decode(runner: Any, batch: int, context: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """Where a decode step of `batch` sequences at `context` tokens goes, through the model runner (graphs
+    when captured): wall ms per step, the device's ms per step between events around each forward (the
+    rest of the wall time is the host's: inputs, launches, the sync), and the kernels that take most
+    device time (torch.profiler). The KV cache holds whatever is there: the cost, not the tokens, counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rivulet.worker.batch import SeqChunk
+
+    bs = runner.cache_config.block_size
+    nb = -(-(context + steps + 1) // bs)
+    chunks = lambda i: [SeqChunk([100 + s], context + i, list(range(1 + s * nb, 1 + (s + 1) * nb)))  # noqa: E731
+                        for s in range(batch)]
+    for i in range(2):  # warm-up (a bucket's first replay, the allocator)
+        runner.forward(chunks(i))
+    sync(device)
+    cuda = device.type == "cuda"
+    device_s = 0.0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        runner.forward(chunks(i)).argmax(-1).tolist()  # the sampled ids reach the host, as in a step
+        if cuda:
+            end.record()
+            end.synchronize()
+            device_s += start.elapsed_time(end) / 1e3
+    wall_s = time.perf_counter() - t0
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(min(steps, 8)):
+            runner.forward(chunks(i)).argmax(-1).tolist()
+    n = min(steps, 8)
+    timed = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / n, e.count // n)
+             for e in prof.key_averages()]
+    timed = sorted((t for t in timed if t[1] > 0), key=lambda t: -t[1])
+    busy = sum(t[1] for t in timed) if cuda else None
+    return {"batch": batch, "context": context, "steps": steps, "graphs": runner.cuda_graphs is not None,
+            "wall_ms_per_step": 1e3 * wall_s / steps, "device_ms_per_step": 1e3 * device_s / steps if cuda else None,
+            "kernel_ms_per_step": busy, "top": [{"name": k[:120], "ms_per_step": ms, "calls_per_step": c}
+                                                for k, ms, c in timed[:12]]}
+
+
 def _generate(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     from rivulet import SamplingParams
 
@@ -254,6 +300,13 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         read = out.data.get("rivulet_build", {}).get("weight_bytes_read_per_token", 0)
         res["bytes_per_step"] = read + kv_per_token * (args.input_len + args.decode_steps // 2)
         return res
+
+    def decode_profile() -> dict[str, Any]:
+        runner = _runner(state["llm"])
+        ctx, steps = args.input_len, max(args.decode_steps // 4, 4)
+        free_blocks = state["llm"].engine.core.num_blocks - 1
+        wide = min(args.num_prompts, free_blocks // -(-(ctx + steps + 1) // runner.cache_config.block_size))
+        return {f"b{b}": profile_decode(runner, b, ctx, steps, device) for b in sorted({1, wide}) if b >= 1}
 
     def generate_b1() -> dict[str, Any]:
         llm = state["llm"]
@@ -391,6 +444,7 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         _step(out, "copy_weights", deadline, 10, copy_weights)
         _step(out, "logits_vs_hf", deadline, 10, logits_vs_hf)
     _step(out, "decode_b1", deadline, 20, decode_b1)
+    _step(out, "decode_profile", deadline, 20, decode_profile)
     _step(out, "generate_b1", deadline, 30, generate_b1)
     _step(out, "throughput", deadline, 30, throughput)
     if "hf" in state:

@@ -68,8 +68,8 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
              f"{cfg.get('num_attention_heads')} heads / {cfg.get('num_key_value_heads')} KV heads, "
              f"intermediate {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}", "",
              "| step | status |", "|---|---|"]
-    for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "generate_b1",
-                 "throughput", "hf_generate", "structured", "spec_decode", "throughput_long"):
+    for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "decode_profile",
+                 "generate_b1", "throughput", "hf_generate", "structured", "spec_decode", "throughput_long"):
         lines.append(f"| {step} | {_status(m.get(step))} |")
     lines.append("")
     b = m.get("rivulet_build", {})
@@ -98,6 +98,22 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
         if "graph_tokens_equal_eager" in d:
             lines.append("")
             lines.append(f"Greedy tokens with graphs identical to eager: {_f(d['graph_tokens_equal_eager'])}.")
+        lines.append("")
+    prof = m.get("decode_profile", {})
+    if prof.get("status") == "ok":
+        runs = [v for k, v in prof.items() if k.startswith("b") and isinstance(v, dict)]
+        lines += ["### Where a decode step goes (model runner; device ms between events around each forward, "
+                  "kernel ms from torch.profiler)", "",
+                  "| batch | context | graphs | wall ms/step | device ms/step | kernel ms/step | host share |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in runs:
+            dev = r.get("device_ms_per_step")
+            host = f"{100 * (1 - dev / r['wall_ms_per_step']):.0f}%" if dev else "-"
+            lines.append(f"| {r['batch']} | {r['context']} | {_f(r['graphs'])} | {_f(r['wall_ms_per_step'], 3)} | "
+                         f"{_f(dev, 3)} | {_f(r.get('kernel_ms_per_step'), 3)} | {host} |")
+        for r in runs:
+            lines += ["", f"Top kernels at batch {r['batch']} (ms per step, calls per step): " + "; ".join(
+                f"`{k['name'][:60]}` {_f(k['ms_per_step'], 3)} x{k['calls_per_step']}" for k in r["top"][:8])]
         lines.append("")
     rows = []
     g1 = m.get("generate_b1", {})

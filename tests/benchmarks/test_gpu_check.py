@@ -63,6 +63,10 @@ def test_report_renders_every_part():
                                         "graph_buckets": [1, 2], "num_kv_blocks": 100},
                       "decode_b1": {"status": "ok", "eager_tok_s": 80.0, "graphs_tok_s": 200.0,
                                     "graph_tokens_equal_eager": True, "bytes_per_step": 15e9},
+                      "decode_profile": {"status": "ok", "b1": {
+                          "batch": 1, "context": 128, "graphs": True, "wall_ms_per_step": 6.0,
+                          "device_ms_per_step": 4.5, "kernel_ms_per_step": 4.2,
+                          "top": [{"name": "_attention_kernel", "ms_per_step": 0.25, "calls_per_step": 32}]}},
                       "throughput": {"status": "ok", "requests": 256, "input_len": 128, "output_len": 128,
                                      "elapsed_s": 5.0, "output_tok_s": 6000.0, "total_tok_s": 12000.0},
                       "hf_generate": {"status": "error", "error": "CUDA out of memory"},
@@ -81,6 +85,7 @@ def test_report_renders_every_part():
     for want in ("HBM copy bandwidth", "4000.0 GB/s", "| rms_norm | 4096x4096 | bfloat16 |", "pass", "FAIL",
                  "ERROR: RuntimeError: boom / bad", "Bandwidth bound: 266.7 tok/s", "| graphs | 200.0 | 5.00 | 75.0 |",
                  "Greedy tokens with graphs identical to eager: yes", "256 x 128/128", "## Errors",
+                 "| 1 | 128 | yes | 6.000 | 4.500 | 4.200 | 25% |", "`_attention_kernel` 0.250 x32",
                  "CUDA out of memory", "skipped (time budget: 3s left)", "pytest is not installed",
                  "| ngram | 500.0 | 2.50 | 0.80 | 4.20 | 9000.0 | 1.00 | [1, 5] | yes |"):
         assert want in md, want
@@ -117,15 +122,18 @@ def test_dry_run_end_to_end(tmp_path):
     assert all(r["passed"] for r in rows)
     model = secs["model"]
     assert model["status"] == "ok"
-    for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "generate_b1",
-                 "throughput", "hf_generate", "spec_decode", "throughput_long"):
+    for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "decode_profile",
+                 "generate_b1", "throughput", "hf_generate", "spec_decode", "throughput_long"):
         assert model[step]["status"] == "ok", (step, model[step])
+    prof = model["decode_profile"]  # batch 1 and the throughput run's batch, each with its busiest ops
+    assert prof["b1"]["wall_ms_per_step"] > 0 and prof["b1"]["top"] and prof["b4"]["batch"] == 4
     assert model["logits_vs_hf"]["passed"]
     spec = model["spec_decode"]  # float32: speculation gives plain decoding's greedy tokens
     assert spec["ngram"]["tokens_equal_plain"] and spec["draft"]["tokens_equal_plain"], spec
     assert spec["draft"]["b1"]["drafts"] > 0
     summary = (tmp_path / "summary.md").read_text()
     assert "Triton kernels vs PyTorch references" in summary and "Batch-1 decode" in summary
+    assert "Where a decode step goes" in summary
 
 
 def test_model_section_fails_on_wrong_tokens_or_logits():
