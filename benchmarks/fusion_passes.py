@@ -52,12 +52,12 @@ def _alternated(runners: dict[str, ModelRunner], chunks: list[SeqChunk], iters: 
     """ms of each call, the configurations called in turn (ABAB...), so the VM's drift hits both alike."""
     batches = {name: build_flat_batch(chunks, BLOCK, r.device) for name, r in runners.items()}
     for name, r in runners.items():
-        hidden_states(None, r.forward_fn, batches[name])  # compiles (or loads) the graph of this kind
+        hidden_states(r.forward_fn, batches[name])  # compiles (or loads) the graph of this kind
     ms: dict[str, list[float]] = {name: [] for name in runners}
     for i in range(iters):
         for name in (list(runners) if i % 2 == 0 else list(reversed(runners))):
             t = time.perf_counter()
-            hidden_states(None, runners[name].forward_fn, batches[name])
+            hidden_states(runners[name].forward_fn, batches[name])
             ms[name].append((time.perf_counter() - t) * 1e3)
     return ms
 

@@ -6,10 +6,12 @@ small batches. We capture the model's forward once per batch-size bucket (and qu
 replay it:
 
 - The graph reads its inputs from static buffers (input_ids, positions, slot_mapping,
-  block_tables, seq_lens, query_start_loc) sized for the largest bucket; each step copies its
-  own tensors into the first rows and pads the rest of the bucket with harmless sequences: tokens 0
-  at positions 0..q-1, slot -1 (the KV-cache write skips it), context length q over block 0 (read,
-  never written, and the rows' outputs are dropped).
+  block_tables, seq_lens, query_start_loc) sized for the largest bucket. They are the step's input
+  buffers: a step that fits is built on the host straight into their pinned mirrors (`stage`, called
+  by the flat-batch builder when it is given the graphs) and moved by two non-blocking copies, its
+  own values in the first rows and the rest of the bucket harmless sequences: tokens 0 at positions
+  0..q-1, slot -1 (the KV-cache write skips it), context length q over block 0 (read, never written,
+  and the rows' outputs are dropped).
 - Only steps where every sequence has exactly q new tokens, for a captured q, use a graph, and only
   up to the largest bucket and block-table width captured; anything else runs eagerly. A verify
   step qualifies when every request got its k drafts (a draft model always proposes k; prompt
@@ -27,12 +29,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
-from rivulet.worker.batch import FlatBatch
+from rivulet.worker.batch import FlatBatch, StagedInputs
+from rivulet.worker.staging import Mirror
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+_EMPTY_STEP = (np.zeros(0, np.int64),) * 5 + (np.zeros((0, 1), np.int32),)  # no sequence: all padding
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -52,21 +58,27 @@ class _Captured:
 
 class DecodeGraphs:
     """Static inputs for steps of `query_len` new tokens per sequence at batch sizes up to max(buckets),
-    and one graph per bucket."""
+    and one graph per bucket.
+
+    The static inputs are the device halves of two `Mirror`s: int64 [token ids | positions | slots | logits
+    indices] and int32 [sequence lengths | block tables]. A step that fits is written (padded) into their
+    pinned host halves and moved by two non-blocking copies: no other kernel runs before the replay."""
 
     def __init__(self, buckets: tuple[int, ...], max_blocks_per_seq: int, device: torch.device,
                  query_len: int = 1) -> None:
         self.buckets = tuple(sorted(set(buckets)))
-        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_blocks_per_seq = w = max_blocks_per_seq
         self.q = q = query_len
-        b = self.buckets[-1]
-        self.input_ids = torch.zeros(b * q, dtype=torch.int64, device=device)
-        self._pad_positions = torch.arange(q, dtype=torch.int64, device=device).repeat(b)  # 0..q-1 per sequence
-        self.positions = self._pad_positions.clone()
-        self.slot_mapping = torch.full((b * q,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.full((b,), q, dtype=torch.int32, device=device)
+        self.max_seqs = b = self.buckets[-1]
+        self.max_tokens = t = b * q
+        self._pad_positions = np.tile(np.arange(q, dtype=np.int64), b)  # 0..q-1 per sequence
+        self._i64 = Mirror(4 * t, torch.int64, device)
+        self._i32 = Mirror(b + b * w, torch.int32, device)
+        d64, d32 = self._i64.device_buf, self._i32.device_buf
+        self.input_ids, self.positions, self.slot_mapping, self.logits_indices = d64.view(4, t).unbind(0)
+        self.seq_lens, self.block_tables = d32[:b], d32[b:].view(b, w)
         self.query_start_loc = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=device)  # q per sequence
+        self.stage(*_EMPTY_STEP, bucket=b)  # every sequence padding
         self.captured: dict[int, _Captured] = {}
         self.capture_s = 0.0
 
@@ -76,13 +88,14 @@ class DecodeGraphs:
         """The smallest bucket that holds `num_seqs` sequences, or None."""
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def fits(self, meta: AttentionMetadata, layout: BatchLayout) -> bool:
-        """Whether this step can replay a graph: `q` new tokens for every sequence (`layout` is the step's
-        host-side shape), within the buckets and table width."""
-        n = meta.num_seqs
-        return (meta.slot_mapping.shape[0] == n * self.q and self.bucket_for(n) is not None
-                and meta.block_tables.shape[1] <= self.max_blocks_per_seq
-                and (self.q == 1 or layout.max_query_len == self.q))  # n * q tokens, none over q: all q
+    def fit(self, num_seqs: int, num_tokens: int, width: int, max_query_len: int) -> tuple[DecodeGraphs, int] | None:
+        """(self, bucket) when a step of this shape can replay a graph: `q` new tokens for every sequence,
+        within the buckets and the block-table width; else None."""
+        if num_tokens != num_seqs * self.q or width > self.max_blocks_per_seq or \
+                (self.q > 1 and max_query_len != self.q):  # n * q tokens and none over q: all q
+            return None
+        bucket = self.bucket_for(num_seqs)
+        return None if bucket is None else (self, bucket)
 
     def static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of the static buffers for a batch of `bucket` sequences of `q` tokens.
@@ -95,27 +108,29 @@ class DecodeGraphs:
             self.query_start_loc[:bucket + 1], self.seq_lens[:bucket])
         return self.input_ids[:t], self.positions[:t], meta
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int) -> None:
-        """Copy one step into the first rows of the static buffers and pad up to `bucket` sequences."""
-        n, width = meta.num_seqs, meta.block_tables.shape[1]
-        t = n * self.q
-        self.input_ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(positions)
-        self.slot_mapping[:t].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)  # columns past a sequence's length are never read
-        self.pad(n, bucket)
-
-    def pad(self, start: int, bucket: int) -> None:
-        """Sequences start..bucket-1 become padding: tokens 0 at positions 0..q-1, not stored, context q in
-        block 0."""
-        if bucket > start:
-            q = self.q
-            self.input_ids[start * q:bucket * q].zero_()
-            self.positions[start * q:bucket * q].copy_(self._pad_positions[:(bucket - start) * q])
-            self.slot_mapping[start * q:bucket * q].fill_(-1)
-            self.seq_lens[start:bucket].fill_(q)
-            self.block_tables[start:bucket, 0].zero_()
+    def stage(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, logits_indices: np.ndarray,
+              seq_lens: np.ndarray, block_tables: np.ndarray, bucket: int) -> StagedInputs:
+        """Write a step of n sequences (host arrays) into the static inputs, sequences n..bucket-1 padding
+        (tokens 0 at positions 0..q-1, not stored, context q in block 0), and start their copies to the device.
+        Views of the step's own part of the static inputs."""
+        n, q, tm = len(seq_lens), self.q, self.max_tokens
+        t, end = n * q, bucket * q
+        h = self._i64.writable().reshape(4, tm)
+        h[0, :t], h[0, t:end] = input_ids, 0
+        h[1, :t], h[1, t:end] = positions, self._pad_positions[: end - t]
+        h[2, :t], h[2, t:end] = slots, -1
+        h[3, :len(logits_indices)] = logits_indices
+        self._i64.push(4 * tm)
+        b, width = self.max_seqs, block_tables.shape[1]
+        h32 = self._i32.writable()
+        h32[:n], h32[n:bucket] = seq_lens, q
+        tables = h32[b:].reshape(b, self.max_blocks_per_seq)
+        tables[:n, :width] = block_tables  # columns past a sequence's length are never read
+        tables[n:bucket, 0] = 0
+        self._i32.push(b + bucket * self.max_blocks_per_seq)
+        return StagedInputs(self.input_ids[:t], self.positions[:t], self.slot_mapping[:t],
+                            self.logits_indices[:len(logits_indices)], self.block_tables[:n, :width],
+                            self.query_start_loc[:n + 1], self.seq_lens[:n])
 
     # ---- capture and replay ----
 
@@ -125,7 +140,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         for bucket in reversed(self.buckets):
             ids, pos, meta = self.static_inputs(bucket)
-            self.pad(0, bucket)
+            self.stage(*_EMPTY_STEP, bucket=bucket)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels outside the capture
@@ -141,18 +156,11 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
         return pool
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            layout: BatchLayout) -> torch.Tensor | None:
-        """Hidden states [num_seqs * q, hidden] of a step by graph replay, or None when the step does not
-        fit a captured graph (the caller then runs the model eagerly)."""
-        if not self.captured or not self.fits(meta, layout):
-            return None
-        bucket = self.bucket_for(meta.num_seqs)
-        assert bucket is not None
-        self.load(input_ids, positions, meta, bucket)
+    def replay(self, bucket: int, num_tokens: int) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step staged last, by replaying the graph of `bucket`."""
         captured = self.captured[bucket]
         captured.graph.replay()
-        return captured.hidden[: meta.num_seqs * self.q].clone()  # the buffer is overwritten by the next replay
+        return captured.hidden[:num_tokens].clone()  # the buffer is overwritten by the next replay
 
 
 class StepGraphs:
@@ -175,14 +183,15 @@ class StepGraphs:
         for g in self.sets.values():
             pool = g.capture(forward, pool)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            layout: BatchLayout) -> torch.Tensor | None:
-        n = meta.num_seqs
-        g = self.sets.get(input_ids.shape[0] // n) if n and input_ids.shape[0] % n == 0 else None
-        return None if g is None else g.run(input_ids, positions, meta, layout)
+    def fit(self, num_seqs: int, num_tokens: int, width: int, max_query_len: int) -> tuple[DecodeGraphs, int] | None:
+        """The graph set of the step's query length and its bucket, when the step fits one."""
+        g = self.sets.get(num_tokens // num_seqs) if num_seqs and num_tokens % num_seqs == 0 else None
+        return None if g is None else g.fit(num_seqs, num_tokens, width, max_query_len)
 
 
-def hidden_states(graphs: DecodeGraphs | StepGraphs | None, forward: ModelForward, batch: FlatBatch) -> torch.Tensor:
-    """Hidden states of a flat batch: a replay of `graphs` when one fits the step, else `forward` eagerly."""
-    hidden = graphs.run(batch.input_ids, batch.positions, batch.meta, batch.layout) if graphs is not None else None
-    return hidden if hidden is not None else forward(batch.input_ids, batch.positions, batch.meta)
+def hidden_states(forward: ModelForward, batch: FlatBatch) -> torch.Tensor:
+    """Hidden states of a flat batch: a replay when it was staged into a graph's inputs, else `forward` eagerly."""
+    if batch.graph is not None:
+        graphs, bucket = batch.graph
+        return graphs.replay(bucket, batch.input_ids.shape[0])
+    return forward(batch.input_ids, batch.positions, batch.meta)

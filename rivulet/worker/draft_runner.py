@@ -136,8 +136,8 @@ class DraftRunner:
         for j in range(drafts.shape[1]):  # j = 0: catch up to the last known token; then one guess per pass
             s = starts_np[active] if j == 0 else ends[active] + j - 1
             n = ends[active] - s if j == 0 else np.ones(len(active), np.int64)
-            flat = batch.gather(rows_np[active], s, n)
-            hidden = hidden_states(self.graphs, self.model, flat)  # a replay when one token per sequence
+            flat = batch.gather(rows_np[active], s, n, graphs=self.graphs)
+            hidden = hidden_states(self.model, flat)  # a replay when one token per sequence
             drafts[active, j] = self.model.compute_logits(hidden[flat.logits_indices]).argmax(-1).cpu().numpy()
             for i in active.tolist():
                 if depth[i]:  # (a prefill chunk's next position holds a known prompt token)

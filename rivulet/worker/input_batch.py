@@ -4,21 +4,27 @@ Rows are written when a request enters (its known tokens, blocks, sampling param
 when the scheduler hands it new blocks and when it samples a token, and freed when it finishes or
 is preempted. Each step's flat batch (input ids, positions, slot mapping, block tables, query
 start locations, sequence lengths, logits indices) is then gathered from the rows of the scheduled
-requests by vectorized indexing: no per-token Python loop and no per-step list of lists.
+requests by vectorized indexing: no per-token Python loop and no per-step list of lists. On a GPU
+it reaches the device as two non-blocking copies from pinned memory (`staging.py`), straight into a
+CUDA graph's static inputs when the step will replay one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rivulet.core.outputs import NewRequestData, SchedulerOutput
-from rivulet.kernels.attention import BatchLayout, build_attention_metadata
 from rivulet.sampling_params import SamplingParams
-from rivulet.worker.batch import FlatBatch
+from rivulet.worker.batch import FlatBatch, to_device
 from rivulet.worker.sampling_state import SamplingState
+from rivulet.worker.staging import Staging
+
+if TYPE_CHECKING:
+    from rivulet.worker.cuda_graph import DecodeGraphs, StepGraphs
 
 
 @dataclass
@@ -40,6 +46,7 @@ class InputBatch:
     def __init__(self, block_size: int, vocab_size: int, device: torch.device, capacity: int = 8,
                  max_len: int = 256, max_blocks: int = 16) -> None:
         self.block_size, self.device = block_size, device
+        self.staging = Staging(device)  # each step's inputs to the device (pinned, one copy per dtype on a GPU)
         self.token_ids = np.zeros((capacity, max_len), np.int64)
         self.num_tokens = np.zeros(capacity, np.int64)  # known tokens: prompt then outputs
         self.num_prompt = np.zeros(capacity, np.int64)
@@ -126,9 +133,10 @@ class InputBatch:
 
     # ---- one step ----
 
-    def prepare(self, out: SchedulerOutput, pooling: set[str] = frozenset()) -> StepInputs:  # type: ignore[assignment]
+    def prepare(self, out: SchedulerOutput, pooling: set[str] = frozenset(),  # type: ignore[assignment]
+                graphs: DecodeGraphs | StepGraphs | None = None) -> StepInputs:
         """The flat batch of `out` (its requests must be in the batch: call `update` first); the `pooling`
-        requests are pooled instead of sampled."""
+        requests are pooled instead of sampled; `graphs`: see `gather`."""
         req_ids = list(out.num_scheduled_tokens)
         s = len(req_ids)
         rows = np.fromiter((self.row_of[r] for r in req_ids), np.int64, s)
@@ -156,14 +164,16 @@ class InputBatch:
         num_logits = np.where(sample, num_drafts + 1, 0)
         cum = np.cumsum(num_logits)
         logits_indices = np.repeat(qsl[1:] - cum, num_logits) + np.arange(int(cum[-1]))  # the last L of each
-        flat = self.gather(rows, starts, n, qsl, logits_indices)
+        flat = self.gather(rows, starts, n, qsl, logits_indices, graphs)
         return StepInputs(flat, req_ids, rows, qsl, starts, sample, pool, num_logits, drafts)
 
     def gather(self, rows: np.ndarray, starts: np.ndarray, n: np.ndarray, qsl: np.ndarray | None = None,
-               logits_indices: np.ndarray | None = None) -> FlatBatch:
+               logits_indices: np.ndarray | None = None, graphs: DecodeGraphs | StepGraphs | None = None) -> FlatBatch:
         """The flat batch of tokens [starts, starts + n) of each of `rows`, read from `token_ids` (past a
         row's known tokens: whatever was written there, draft tokens); logits of each row's last token
-        unless `logits_indices` says otherwise. The rows must hold blocks for those positions."""
+        unless `logits_indices` says otherwise. The rows must hold blocks for those positions. A step that
+        fits one of `graphs` is staged into its inputs (a replay), the rest moved by `staging`; its tensors
+        hold until the next step is gathered."""
         if qsl is None:
             qsl = np.zeros(len(rows) + 1, np.int64)
             np.cumsum(n, out=qsl[1:])
@@ -177,17 +187,8 @@ class InputBatch:
         bs = self.block_size
         slots = self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(self.num_blocks[rows].max())
-        dev = self.device
-
-        def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
-
-        layout = BatchLayout(qsl.tolist(), seq_lens.tolist())
-        meta = build_attention_metadata(layout, tensor(slots, torch.int64),
-                                        tensor(self.block_table[rows, :width], torch.int32),
-                                        tensor(qsl, torch.int32), tensor(seq_lens, torch.int32))
-        return FlatBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                         tensor(logits_indices, torch.int64), layout)
+        return to_device(input_ids, positions, slots, logits_indices, self.block_table[rows, :width], qsl, seq_lens,
+                         self.staging, graphs)
 
     def write_ahead(self, row: int, start: int, token_ids: list[int]) -> None:
         """Put tokens at positions start.. of `row` without making them known (draft tokens)."""

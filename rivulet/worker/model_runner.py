@@ -182,13 +182,13 @@ class ModelRunner:
         self.cuda_graphs = graphs
 
     def _run_model(self, batch: FlatBatch) -> torch.Tensor:
-        """Hidden states of the flat batch: a CUDA-graph replay for uniform steps that fit one, on CPUs the
-        decode program for small decode steps, else the model's forward."""
+        """Hidden states of the flat batch: a CUDA-graph replay for a step staged into one (uniform steps that
+        fit), on CPUs the decode program for small decode steps, else the model's forward."""
         if self.decode_program is not None:
             hidden = self.decode_program.run(batch.input_ids, batch.positions, batch.meta, batch.layout)
             if hidden is not None:
                 return hidden
-        return hidden_states(self.cuda_graphs, self.forward_fn, batch)
+        return hidden_states(self.forward_fn, batch)
 
     # ---- one step ----
 
@@ -196,7 +196,8 @@ class ModelRunner:
     def forward(self, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:
         """Run a hand-made flat batch; float32 logits of each chunk's last token [num_seqs, vocab]
         (or of every token [T, vocab] with `all_logits`)."""
-        batch = build_flat_batch(chunks, self.cache_config.block_size, self.device)
+        batch = build_flat_batch(chunks, self.cache_config.block_size, self.device, self.batch.staging,
+                                 self.cuda_graphs)
         if self.lora is not None:
             self.lora.clear_step()
         hidden = self._run_model(batch)
@@ -240,7 +241,7 @@ class ModelRunner:
             if tier is not None and out.kv_saves:
                 tier.save(out.kv_saves)
             return None
-        step = self.batch.prepare(out, out.pooling_request_ids)
+        step = self.batch.prepare(out, out.pooling_request_ids, self.cuda_graphs)
         if self.lora is not None:
             self.lora.plan(np.repeat(self.batch.lora_slot[step.rows], np.diff(step.query_start)))
         hidden = self._run_model(step.flat)

@@ -78,10 +78,11 @@ def test_decode_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
     caches_before = [c.clone() for c in r.kv_caches]
     want = r.model(batch.input_ids, batch.positions, batch.meta)
     graphs = DecodeGraphs((1, 2, 4), max_blocks_per_seq=4, device=DEVICE)
-    assert graphs.fits(batch.meta, batch.layout) and graphs.bucket_for(3) == 4
     for c, before in zip(r.kv_caches, caches_before):  # undo the eager step's writes
         c.copy_(before)
-    graphs.load(batch.input_ids, batch.positions, batch.meta, 4)
+    staged = build_flat_batch(step, 4, DEVICE, graphs=graphs)  # straight into the static inputs, bucket 4
+    assert staged.graph == (graphs, 4) and staged.input_ids.data_ptr() == graphs.input_ids.data_ptr()
+    assert torch.equal(staged.logits_indices.cpu(), batch.logits_indices.cpu())
     ids, pos, meta = graphs.static_inputs(4)
     got = r.model(ids, pos, meta)[:3]
     tol = 1e-5 if DEVICE.type == "cpu" else TOL[torch.float32]
@@ -104,10 +105,9 @@ def test_verify_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
     caches_before = [c.clone() for c in r.kv_caches]
     want = r.model(batch.input_ids, batch.positions, batch.meta)
     graphs = DecodeGraphs((1, 2, 4), max_blocks_per_seq=4, device=DEVICE, query_len=3)
-    assert graphs.fits(batch.meta, batch.layout) and graphs.bucket_for(3) == 4
     for c, before in zip(r.kv_caches, caches_before):
         c.copy_(before)
-    graphs.load(batch.input_ids, batch.positions, batch.meta, 4)
+    assert build_flat_batch(step, 4, DEVICE, graphs=graphs).graph == (graphs, 4)
     ids, pos, meta = graphs.static_inputs(4)
     assert ids.shape[0] == 12 and pos[9:].tolist() == [0, 1, 2]
     got = r.model(ids, pos, meta)[:9]
@@ -118,21 +118,29 @@ def test_verify_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
 
 
 def test_step_graphs_fall_back_for_prefill_uneven_and_large_batches():
+    """Only uniform steps within the buckets and the table width are staged into a graph; the rest are moved to the
+    device as they are (and run eagerly)."""
     cpu = torch.device("cpu")
     graphs = DecodeGraphs((1, 4), max_blocks_per_seq=2, device=cpu)
-    prefill = build_flat_batch([SeqChunk([1, 2], 0, [0])], 4, cpu)
-    wide = build_flat_batch([SeqChunk([1], 11, [0, 1, 2])], 4, cpu)
-    many = build_flat_batch([SeqChunk([1], 0, [i]) for i in range(5)], 4, cpu)
-    assert not any(graphs.fits(b.meta, b.layout) for b in (prefill, wide, many))
-    assert graphs.run(prefill.input_ids, prefill.positions, prefill.meta, prefill.layout) is None
     verify = DecodeGraphs((1, 4), max_blocks_per_seq=2, device=cpu, query_len=3)
-    even = build_flat_batch([SeqChunk([1, 2, 3], 0, [0]), SeqChunk([4, 5, 6], 2, [1, 2])], 4, cpu)
-    uneven = build_flat_batch([SeqChunk([1, 2], 0, [0]), SeqChunk([3, 4, 5, 6], 2, [1, 2])], 4, cpu)  # 6 tokens too
-    assert verify.fits(even.meta, even.layout) and not verify.fits(uneven.meta, uneven.layout)
-    assert not verify.fits(many.meta, many.layout) and not graphs.fits(even.meta, even.layout)
-    # a step picks the set of its own query length; nothing captured here, so nothing replays
     steps = StepGraphs([graphs, verify])
-    assert steps.buckets == (1, 4) and steps.run(even.input_ids, even.positions, even.meta, even.layout) is None
+    chunks = {"prefill": [SeqChunk([1, 2], 0, [0])], "wide": [SeqChunk([1], 11, [0, 1, 2])],
+              "many": [SeqChunk([1], 0, [i]) for i in range(5)],
+              "even": [SeqChunk([1, 2, 3], 0, [0]), SeqChunk([4, 5, 6], 2, [1, 2])],
+              "uneven": [SeqChunk([1, 2], 0, [0]), SeqChunk([3, 4, 5, 6], 2, [1, 2])],  # 6 tokens too
+              "decode": [SeqChunk([7], 3, [1]), SeqChunk([8], 5, [2, 3])]}
+    staged = {k: build_flat_batch(c, 4, cpu, graphs=steps).graph for k, c in chunks.items()}
+    assert staged == {"prefill": None, "wide": None, "many": None, "even": (verify, 1 + 3), "uneven": None,
+                      "decode": (graphs, 4)}
+    # the decode step's values, then padding (tokens 0 at position 0, no slot, context 1 in block 0)
+    assert graphs.input_ids[:4].tolist() == [7, 8, 0, 0] and graphs.positions[:4].tolist() == [3, 5, 0, 0]
+    assert graphs.slot_mapping[:4].tolist() == [7, 13, -1, -1] and graphs.seq_lens[:4].tolist() == [4, 6, 1, 1]
+    assert graphs.block_tables[:4, 0].tolist() == [1, 2, 0, 0] and graphs.block_tables[1, 1] == 3
+    one = build_flat_batch(chunks["decode"][:1], 4, cpu, graphs=steps)  # a smaller step pads what the last one set
+    assert one.graph == (graphs, 1) and graphs.input_ids[:1].tolist() == [7]
+    for k in ("prefill", "uneven"):  # moved as they are
+        b = build_flat_batch(chunks[k], 4, cpu, graphs=steps)
+        assert b.input_ids.tolist() == [t for c in chunks[k] for t in c.token_ids]
     assert verify_buckets(None)[-1] == 64 and verify_buckets(8) == (1, 2, 4, 8) and verify_buckets(6) == (1, 2, 4, 6)
 
 
@@ -146,14 +154,12 @@ def test_cuda_graphs_of_verify_steps_and_draft_passes_give_eager_tokens(tiny_mod
 
     path, _ = tiny_model_dir("llama")
     replays: dict[int, int] = {}
-    run = DecodeGraphs.run
+    replay = DecodeGraphs.replay
 
     def counted(self, *a):
-        hidden = run(self, *a)
-        if hidden is not None:
-            replays[self.q] = replays.get(self.q, 0) + 1
-        return hidden
-    monkeypatch.setattr(DecodeGraphs, "run", counted)
+        replays[self.q] = replays.get(self.q, 0) + 1
+        return replay(self, *a)
+    monkeypatch.setattr(DecodeGraphs, "replay", counted)
     spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
     prompts = [{"prompt_token_ids": list(range(5 + i, 20 + i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -1,0 +1,84 @@
+"""Host-to-device moves of a step's inputs: one pinned host buffer per device buffer, one copy each.
+
+A step's inputs are small integer arrays built on the host (token ids, positions, slots, block tables,
+sequence lengths). Copied one by one from pageable memory, each would be a blocking copy; here every
+array of one dtype is written into one pinned host buffer (`Mirror.host`) and moved by a single
+non-blocking copy into a device buffer that persists across steps (`Mirror.device`). The copy is
+ordered on the current stream before the step's kernels, and a kernel of the step before that still
+reads the device buffer ran before it on the same stream, so reusing it is safe; the host buffer is
+reused only once the event recorded after its copy has passed.
+
+On the CPU there is nothing to move: `Staging` hands out the arrays themselves as tensors (fresh each
+step), and a `Mirror`'s host buffer is its device buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class Mirror:
+    """A host buffer (pinned where the device is not the CPU) and the device buffer it is copied to, both 1-D
+    of `numel` elements of `dtype`. `copy=True` keeps two buffers on the CPU too (tests of the copying path)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, copy: bool | None = None) -> None:
+        self.dtype, self.device = dtype, device
+        self.copies = device.type != "cpu" if copy is None else copy
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(numel, dtype=dtype, pin_memory=cuda)
+        self.device_buf = torch.zeros(numel, dtype=dtype, device=device) if self.copies else self.host
+        self.np = self.host.numpy()
+        self._copied = torch.cuda.Event() if cuda else None
+
+    @property
+    def numel(self) -> int:
+        return self.host.numel()
+
+    def writable(self) -> np.ndarray:
+        """The host buffer as numpy, once its last copy to the device has been done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.np
+
+    def push(self, n: int) -> torch.Tensor:
+        """Copy the first `n` elements to the device (non-blocking from pinned memory); the device buffer."""
+        if self.copies and n:
+            self.device_buf[:n].copy_(self.host[:n], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+        return self.device_buf
+
+
+class Staging:
+    """Moves groups of host arrays to the device: each group (one dtype) is packed into a `Mirror` that grows as
+    needed and copied at once; the tensors returned are views of its device buffer, valid until the next move."""
+
+    def __init__(self, device: torch.device, copy: bool | None = None) -> None:
+        self.device = device
+        self.copies = device.type != "cpu" if copy is None else copy
+        self._mirrors: dict[torch.dtype, Mirror] = {}
+
+    def move(self, arrays: Sequence[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Device tensors with the values and shapes of `arrays`, as `dtype`."""
+        if not self.copies:  # the CPU: the arrays themselves (converted where the dtype differs)
+            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        m = self._mirrors.get(dtype)
+        if m is None or m.numel < total:
+            m = self._mirrors[dtype] = Mirror(max(total, 2 * m.numel if m else 1024), dtype, self.device, copy=True)
+        buf = m.writable()
+        off = 0
+        for a, k in zip(arrays, sizes):
+            buf[off:off + k] = a.reshape(-1)
+            off += k
+        dev = m.push(total)
+        out, off = [], 0
+        for a, k in zip(arrays, sizes):
+            out.append(dev[off:off + k].view(a.shape))
+            off += k
+        return out
