@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
 class Mirror:
     """A host buffer (pinned where the device is not the CPU) and the device buffer it is copied to, both 1-D
     of `numel` elements of `dtype`. `copy=True` keeps two buffers on the CPU too (tests of the copying path)."""
@@ -64,7 +67,7 @@ class Staging:
     def move(self, arrays: Sequence[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """Device tensors with the values and shapes of `arrays`, as `dtype`."""
         if not self.copies:  # the CPU: the arrays themselves (converted where the dtype differs)
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            np_dtype = _NUMPY[dtype]
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)) for a in arrays]
         sizes = [a.size for a in arrays]
         total = sum(sizes)
