@@ -10,7 +10,8 @@ the next one and then processes the finished one's outputs:
 so the forward pass of step N+1 starts as soon as step N's ends, and the scheduler, the
 stop checks, detokenization and message encoding of step N overlap it. Step N+1 is scheduled
 before step N's tokens are known: each running request gets one token whose input is the one
-step N samples (the runner has it; the scheduler counts it as a placeholder). Greedy outputs
+step N samples (the scheduler counts it as a placeholder; the runner reads it on the device, and its
+step returns before the tokens reach the host: `resolve` waits for them, `worker/async_output.py`). Greedy outputs
 are the synchronous loop's; a request that step N finishes wastes its slot in step N+1.
 With speculative decoding the loop runs synchronously (drafts need the last token).
 
@@ -48,6 +49,7 @@ from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.platforms import current_platform
 from rivulet.spec_decode import NgramProposer, SpecDecodeStats
 from rivulet.structured import StructuredOutputManager
+from rivulet.worker.async_output import AsyncModelRunnerOutput, resolve
 from rivulet.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class _Launched:
     forward pass (None for a step with no constrained row), which the engine thread fills."""
 
     sched: SchedulerOutput
-    result: Future[ModelRunnerOutput]
+    result: Future[ModelRunnerOutput | AsyncModelRunnerOutput]
     mask: Future[bytes | None] | None = None
 
 
@@ -154,6 +156,8 @@ class EngineCore:
         if use_async is None:
             use_async = current_platform().computes_apart_from_host
         self.async_scheduling = use_async
+        # async steps return before their tokens reach the host; the next step reads them on the device
+        self.executor.use_async_outputs(use_async and spec is None)
         # synchronous steps fill the grammar bitmask in the step thread during the forward pass where the
         # device computes apart from the host; on CPU the forward's thread team has every core, and a
         # fill beside it measured slower than one before it (benchmarks/RESULTS.md, structured output)
@@ -249,7 +253,7 @@ class EngineCore:
         their rows (an idle engine holds nothing of a finished request)."""
         if self._in_flight is None and not self.scheduler.has_unfinished_requests() \
                 and self.scheduler.has_finished_to_report():
-            result = self.executor.execute(self.scheduler.schedule())
+            result = resolve(self.executor.execute(self.scheduler.schedule()))
             self.scheduler.update_kv_tier(result.kv_loaded, result.kv_dropped, result.kv_disk_error)
 
     def check_health(self) -> None:
@@ -303,7 +307,7 @@ class EngineCore:
         else:
             data = self.structured.bitmask(sched, self.scheduler.requests)
             source = lambda: data  # noqa: E731
-        done: Future[ModelRunnerOutput] = Future()
+        done: Future[ModelRunnerOutput | AsyncModelRunnerOutput] = Future()
         done.set_result(self.executor.execute(sched, source))
         return _Launched(sched, done)
 
@@ -346,7 +350,7 @@ class EngineCore:
                 req.spec_token_ids = list(self.proposer(req))
 
     def _finish(self, step: _Launched) -> list[StepOutput]:
-        sched, result = step.sched, step.result.result()
+        sched, result = step.sched, resolve(step.result.result())  # (waits for the tokens of an async output)
         for rid, spec in sched.scheduled_spec_tokens.items():
             got = result.sampled_token_ids.get(rid)
             if got:

@@ -118,6 +118,9 @@ class MultiprocExecutor:
     def initialize_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
         self._call(AllocateKVCache(num_blocks, host_slots, disk_dir))
 
+    def use_async_outputs(self, on: bool) -> None:
+        """Outputs cross process boundaries as plain data: each rank's step ends with its tokens on the host."""
+
     def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         return self._call(Execute(out), grammar_bitmask)
 

@@ -7,6 +7,7 @@ from rivulet.distributed import ParallelState, set_parallel_state
 from rivulet.core.outputs import GrammarBitmask, SchedulerOutput
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import ModelSource
+from rivulet.worker.async_output import AsyncModelRunnerOutput
 from rivulet.worker.model_runner import ModelRunner
 from rivulet.worker.outputs import ModelRunnerOutput
 from rivulet.worker.worker import use_rank_threads
@@ -34,7 +35,13 @@ class UniProcExecutor:
     def initialize_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
         self.runner.allocate_kv_cache(num_blocks, host_slots, disk_dir)
 
-    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+    def use_async_outputs(self, on: bool) -> None:
+        """With async scheduling `execute` may return before the step's tokens reach the host (`resolve` its
+        result in the engine)."""
+        self.runner.use_async_outputs(on)
+
+    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self.runner.execute(out, grammar_bitmask)
 
     def check_health(self) -> None:

@@ -100,7 +100,7 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     if metadata.min_tokens_rows is None:
         return logits
     index = (metadata.min_tokens_rows, metadata.min_tokens_tokens)
-    return logits.index_put(index, torch.tensor(_NEG_INF, device=logits.device))
+    return logits.index_put(index, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -54,6 +54,9 @@ class InputBatch:
         self.block_table = np.zeros((capacity, max_blocks), np.int32)
         self.num_blocks = np.zeros(capacity, np.int64)
         self.lora_slot = np.full(capacity, -1, np.int64)  # the row's LoRA adapter slot (-1: the base model)
+        # a token sampled but not yet known here (async outputs): its index in `pending_ids` (on the device), or -1
+        self.pending = np.full(capacity, -1, np.int64)
+        self.pending_ids: torch.Tensor | None = None
         self.req_ids: list[str | None] = [None] * capacity
         self.row_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -96,6 +99,7 @@ class InputBatch:
         self.num_tokens[row], self.num_prompt[row] = n, new.num_prompt_tokens
         self.num_computed[row], self.num_blocks[row] = new.num_computed_tokens, 0
         self.lora_slot[row] = -1  # the runner sets the slot of a request with an adapter
+        self.pending[row] = -1  # (a token still pending for the row's previous request is dropped)
         self.block_table[row] = 0  # columns past a row's blocks are padding: block 0, never read
         self._append_blocks(row, new.block_ids)
         params: SamplingParams = new.sampling_params or SamplingParams()
@@ -111,6 +115,7 @@ class InputBatch:
         if row is None:
             return
         self.req_ids[row] = None
+        self.pending[row] = -1
         self.sampling.clear_row(row)
         self._free.append(row)
 
@@ -121,6 +126,21 @@ class InputBatch:
         self._ensure_len(int(self.num_tokens[rows].max()) + 1)
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+
+    def defer_tokens(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
+        """One new token for each of `rows`, still on the device: a step gathered before `settle` reads these
+        rows' next input from `token_ids` on the device."""
+        assert self.pending_ids is None, "settle the tokens deferred before"
+        self.pending[rows] = np.arange(len(rows))
+        self.pending_ids = token_ids
+
+    def settle(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """The tokens deferred for `rows` (the same rows, in order), now on the host; rows whose request left
+        the batch meanwhile take none."""
+        live = self.pending[rows] >= 0
+        self.append_tokens(rows[live], token_ids[live])
+        self.pending[rows] = -1
+        self.pending_ids = None
 
     def tokens(self, req_id: str) -> list[int]:
         row = self.row_of[req_id]
@@ -145,22 +165,21 @@ class InputBatch:
         np.cumsum(n, out=qsl[1:])
         starts = self.num_computed[rows]
         seq_lens = starts + n
+        known = self.num_tokens[rows] + (self.pending[rows] >= 0)  # with a token still on the device
         num_drafts = np.zeros(s, np.int64)
         drafts: dict[int, list[int]] = {}
         if out.scheduled_spec_tokens:
             for i, rid in enumerate(req_ids):
                 d = out.scheduled_spec_tokens.get(rid)
-                if d:  # written after the known tokens, where the accepted ones will land
-                    row = int(rows[i])
-                    self.write_ahead(row, int(self.num_tokens[row]), d)
+                if d:  # written after the known tokens (one may still be on the device), where accepted ones land
+                    self.write_ahead(int(rows[i]), int(known[i]), d)
                     drafts[i], num_drafts[i] = list(d), len(d)
-        if (seq_lens > self.num_tokens[rows] + num_drafts).any() or \
-                ((num_drafts > 0) & (seq_lens != self.num_tokens[rows] + num_drafts)).any():
+        if (seq_lens > known + num_drafts).any() or ((num_drafts > 0) & (seq_lens != known + num_drafts)).any():
             raise ValueError("a request is scheduled past its known tokens")
         if (seq_lens > self.num_blocks[rows] * self.block_size).any():
             raise ValueError("a request is scheduled past the blocks it holds")
         pool = np.fromiter((r in pooling for r in req_ids), bool, s) if pooling else np.zeros(s, bool)
-        sample = (seq_lens >= self.num_tokens[rows] + num_drafts) & ~pool
+        sample = (seq_lens >= known + num_drafts) & ~pool
         num_logits = np.where(sample, num_drafts + 1, 0)
         cum = np.cumsum(num_logits)
         logits_indices = np.repeat(qsl[1:] - cum, num_logits) + np.arange(int(cum[-1]))  # the last L of each
@@ -187,8 +206,17 @@ class InputBatch:
         bs = self.block_size
         slots = self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(self.num_blocks[rows].max())
-        return to_device(input_ids, positions, slots, logits_indices, self.block_table[rows, :width], qsl, seq_lens,
+        flat = to_device(input_ids, positions, slots, logits_indices, self.block_table[rows, :width], qsl, seq_lens,
                          self.staging, graphs)
+        if self.pending_ids is not None:  # tokens sampled by the step before, read where they are
+            src = self.pending[rows]
+            at = self.num_tokens[rows]  # the position of the token not known here
+            waiting = np.flatnonzero((src >= 0) & (starts <= at) & (at < seq_lens))
+            if waiting.size:
+                dst = qsl[waiting] + at[waiting] - starts[waiting]
+                dst_t, src_t = self.staging.move([dst, src[waiting]], torch.int64)
+                flat.input_ids[dst_t] = self.pending_ids[src_t]
+        return flat
 
     def write_ahead(self, row: int, start: int, token_ids: list[int]) -> None:
         """Put tokens at positions start.. of `row` without making them known (draft tokens)."""
@@ -210,10 +238,11 @@ class InputBatch:
 
     def _grow_rows(self, capacity: int) -> None:
         old = self.capacity
-        for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "lora_slot"):
+        for name in ("token_ids", "num_tokens", "num_prompt", "num_computed", "block_table", "num_blocks", "lora_slot",
+                     "pending"):
             a = getattr(self, name)
-            setattr(self, name, np.concatenate([a, np.full((capacity - old, *a.shape[1:]), -1 if name == "lora_slot" else 0,
-                                                           a.dtype)]))
+            fill = -1 if name in ("lora_slot", "pending") else 0
+            setattr(self, name, np.concatenate([a, np.full((capacity - old, *a.shape[1:]), fill, a.dtype)]))
         self.req_ids += [None] * (capacity - old)
         self._free = list(range(capacity - 1, old - 1, -1)) + self._free
         self.sampling.grow(capacity)

@@ -19,6 +19,7 @@ from rivulet.models.loader import ModelSource, load_model
 from rivulet.models.loader.pooling import read_pooler_config
 from rivulet.pooling_params import PoolingParams
 from rivulet.platforms import current_platform
+from rivulet.worker.async_output import AsyncModelRunnerOutput, AsyncSample
 from rivulet.worker.batch import FlatBatch, SeqChunk, build_flat_batch
 from rivulet.worker.cuda_graph import DEFAULT_BUCKETS, DecodeGraphs, StepGraphs, hidden_states, verify_buckets
 from rivulet.worker.draft_runner import DraftRunner
@@ -26,6 +27,7 @@ from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.kv_tier import KVTierWorker
 from rivulet.worker.lora import LoRAManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from rivulet.worker.staging import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.batch = InputBatch(cache_config.block_size, self.arch.vocab_size, self.device)
         self._pending: tuple[StepInputs, torch.Tensor, torch.Tensor | None] | None = None
+        # async outputs: a step's tokens go to the host without a wait (`use_async_outputs`); the rows of the
+        # last such step and its copies, until the batch takes them (`_settle`)
+        self.async_outputs = False
+        self._unsettled: tuple[np.ndarray, AsyncSample] | None = None
         self.eos_token_ids: set[int] = set(self.arch.eos_token_ids)  # the engine may add more
         self.max_model_len = model_config.max_model_len or self.arch.max_position_embeddings
         # graphs need kernels that skip padding slots and never sync (the Triton ones), and one rank
@@ -106,6 +112,11 @@ class ModelRunner:
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
         self.eos_token_ids = set(ids)
+
+    def use_async_outputs(self, on: bool) -> None:
+        """Let `execute` return before its sampled tokens reach the host (async scheduling: the engine reads
+        them while the next step runs); not with a draft model, which proposes from them at once."""
+        self.async_outputs = on and self.drafter is None
 
     def shutdown(self) -> None:
         if self.kv_tier is not None:
@@ -206,14 +217,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+                ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """One whole step: `execute_model`, then `sample_tokens` with the step's grammar bitmask, asked for
         only once the forward pass has run (the engine fills it meanwhile)."""
         self.execute_model(out)
         data = grammar_bitmask() if grammar_bitmask is not None else None
         mask = None
         if data:
-            mask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(-1, (self.arch.vocab_size + 31) // 32)
+            words = (self.arch.vocab_size + 31) // 32
+            mask = to_device(torch.frombuffer(bytearray(data), dtype=torch.int32).view(-1, words), self.device)
         return self.sample_tokens(mask)
 
     @torch.inference_mode()
@@ -263,11 +276,13 @@ class ModelRunner:
                 batch.lora_slot[batch.row_of[new.request_id]] = self.lora.slot_for(new.lora, in_use)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
-        """Sample the logits of the last `execute_model` and append the tokens to the batch.
+    def sample_tokens(self, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the logits of the last `execute_model` and append the tokens to the batch (with async outputs:
+        hand them to the batch on the device, and return before they reach the host).
 
         `grammar_bitmask` (int32 [sampling rows, ceil(vocab / 32)], bit j of word w allows token 32w + j)
         masks each row's disallowed tokens before sampling."""
+        self._settle()
         result = ModelRunnerOutput()
         if self.kv_tier is not None:  # an idle step waits a little for a load rather than spin
             result.kv_loaded, result.kv_dropped, result.kv_disk_error = \
@@ -276,10 +291,11 @@ class ModelRunner:
             return result
         step, hidden, logits = self._pending
         self._pending = None
+        deferred = None
         if logits is not None:
             if grammar_bitmask is not None:
                 logits = apply_token_bitmask(logits, grammar_bitmask)
-            self._sample(step, logits, result)
+            deferred = self._sample(step, logits, result)
         if step.pool.any():
             self._pool(step, hidden, result)
         if self.drafter is not None:
@@ -291,7 +307,14 @@ class ModelRunner:
         for i in np.flatnonzero((lp_rows >= 0) & (step.starts < self.batch.num_prompt[step.rows])).tolist():
             q0, q1 = int(step.query_start[i]), int(step.query_start[i + 1])
             self._prompt_logprobs(step.req_ids[i], int(step.rows[i]), hidden[q0:q1], int(step.starts[i]), result)
-        return result
+        return result if deferred is None else AsyncModelRunnerOutput(result, deferred)
+
+    def _settle(self) -> None:
+        """The batch takes the tokens of the last step with async outputs, once they are on the host."""
+        if self._unsettled is not None:
+            rows, sample = self._unsettled
+            self._unsettled = None
+            self.batch.settle(rows, sample.token_ids())
 
     def _pool(self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Each embedding request's vector (float32 bytes): its hidden states pooled, cut to the dimensions
@@ -309,16 +332,18 @@ class ModelRunner:
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Take tokens sampled elsewhere (by the last pipeline stage) into this runner's batch."""
+        self._settle()
         for rid, toks in sampled.items():
             row = np.array([self.batch.row_of[rid]])
             for tok in toks:
                 self.batch.append_tokens(row, np.array([tok]))
 
-    def _sample(self, step: StepInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+    def _sample(self, step: StepInputs, logits: torch.Tensor, result: ModelRunnerOutput) -> AsyncSample | None:
         """One token per sampling request; a request with k draft tokens has k + 1 logits rows, each
         sampled with its own params, and keeps the drafts up to the first that differs from the token
         sampled at its position, plus that token (exact for drafts that are plain token guesses: a
-        draft x is kept with probability p(x), and otherwise the sample is a draw from p without x)."""
+        draft x is kept with probability p(x), and otherwise the sample is a draw from p without x).
+        With async outputs (no drafts) the tokens stay on the device: returns their copies to the host."""
         batch = self.batch
         idx = np.flatnonzero(step.sample)
         counts = step.num_logits[idx]
@@ -329,8 +354,14 @@ class ModelRunner:
         if step.drafts and meta.output_token_counts is not None:
             self._count_drafts(step, idx, counts, rows, meta.output_token_counts)
         sampled = self.sampler(logits, meta)
-        ids_np = sampled.sampled_token_ids.cpu().numpy()
         req_ids = [step.req_ids[i] for i in idx.tolist()]
+        if self.async_outputs and not step.drafts:
+            batch.sampling.record(rows, sampled.sampled_token_ids)
+            batch.defer_tokens(rows, sampled.sampled_token_ids)
+            deferred = AsyncSample(req_ids, sampled, batch.sampling.logprobs[rows])
+            self._unsettled = (rows, deferred)
+            return deferred
+        ids_np = sampled.sampled_token_ids.cpu().numpy()
         lp = sampled.logprobs
         if not step.drafts:
             batch.append_tokens(rows, ids_np)
@@ -351,13 +382,14 @@ class ModelRunner:
         for rid, (a, b) in zip(req_ids, keep):
             result.sampled_token_ids[rid] = ids[a:b]
         if lp is None:
-            return
+            return None
         for rid, (a, b) in zip(req_ids, keep):
             k = int(batch.sampling.logprobs[rows[a]])
             if k >= 0:
                 result.logprobs[rid] = [TokenLogprobs(
                     ids[j], float(lp.sampled_logprobs[j]), int(lp.sampled_ranks[j]),
                     lp.topk_token_ids[j, :k].tolist(), lp.topk_logprobs[j, :k].tolist()) for j in range(a, b)]
+        return None
 
     @staticmethod
     def _count_drafts(step: StepInputs, idx: np.ndarray, counts: np.ndarray, rows: np.ndarray,

@@ -15,6 +15,7 @@ import torch
 from rivulet.layers.sampler import position_seed
 from rivulet.layers.sampling_metadata import SamplingMetadata, check_token_id
 from rivulet.sampling_params import SamplingParams
+from rivulet.worker.staging import to_device
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 
@@ -76,12 +77,12 @@ class SamplingState:
             counts = self._table("output_counts", torch.float32)
             counts[row].zero_()
             if outputs:
-                counts[row].index_add_(0, torch.tensor(outputs, device=self.device),
+                counts[row].index_add_(0, to_device(np.array(outputs, np.int64), self.device),
                                        torch.ones(len(outputs), device=self.device))
         if p.repetition_penalty != 1.0:
             mask = self._table("prompt_mask", torch.bool)
             mask[row].zero_()
-            mask[row, torch.tensor(prompt, device=self.device)] = True
+            mask[row, to_device(np.array(prompt, np.int64), self.device)] = True
 
     def clear_row(self, row: int) -> None:
         self.params[row] = self.generators[row] = None
@@ -100,8 +101,8 @@ class SamplingState:
         """Count each row's new token for its penalties."""
         pen = self.penalized[rows]
         if pen.any() and self.output_counts is not None:
-            r = torch.from_numpy(rows[pen]).to(self.device)
-            self.output_counts.index_put_((r, token_ids[torch.from_numpy(pen).to(token_ids.device)]),
+            r = to_device(rows[pen], self.device)
+            self.output_counts.index_put_((r, token_ids[to_device(pen, token_ids.device)]),
                                           torch.ones(len(r), device=self.device), accumulate=True)
 
     def metadata(self, rows: np.ndarray, num_outputs: np.ndarray,
@@ -112,7 +113,7 @@ class SamplingState:
         dev, v = self.device, self.vocab_size
 
         def f(name: str) -> torch.Tensor:
-            return torch.from_numpy(getattr(self, name)[rows]).to(dev)
+            return to_device(getattr(self, name)[rows], dev)
 
         greedy = self.greedy[rows]
         all_greedy, all_random = bool(greedy.all()), not greedy.any() and len(rows) > 0
@@ -121,7 +122,7 @@ class SamplingState:
         row_k = self.top_k[rows]
         enabled = row_k < v
         if enabled.any():
-            top_k = torch.from_numpy(row_k).to(dev)
+            top_k = to_device(row_k, dev)
         if (self.top_p[rows][rand] < 1.0).any():
             top_p = f("top_p")
         if (self.min_p[rows][rand] > 0.0).any():
@@ -130,11 +131,11 @@ class SamplingState:
         pen = self.penalized[rows]
         if pen.any():
             presence, frequency = f("presence"), f("frequency")
-            index = torch.from_numpy(rows).to(dev)
-            counts = self.output_counts[index] * torch.from_numpy(pen).to(dev)[:, None]  # type: ignore[index]
+            index = to_device(rows, dev)
+            counts = self.output_counts[index] * to_device(pen, dev)[:, None]  # type: ignore[index]
             if (self.repetition[rows] != 1.0).any():
                 repetition = f("repetition")
-                rep = torch.from_numpy(self.repetition[rows] != 1.0).to(dev)[:, None]
+                rep = to_device(self.repetition[rows] != 1.0, dev)[:, None]
                 prompt_mask = self.prompt_mask[index] & rep  # type: ignore[index]
         bias_rows, bias_tokens, bias_values, min_rows, min_toks = [], [], [], [], []
         special = np.flatnonzero(self.biased[rows] | (num_outputs < self.min_tokens[rows]))
@@ -149,18 +150,18 @@ class SamplingState:
         asked = logprobs[logprobs >= 0]
 
         def longs(x: list[int]) -> torch.Tensor | None:
-            return torch.tensor(x, dtype=torch.int64, device=dev) if x else None
+            return to_device(np.array(x, np.int64), dev) if x else None
 
         return SamplingMetadata(
             temperature=f("temperature"),
-            greedy_mask=None if all_greedy or all_random else torch.from_numpy(greedy).to(dev),
+            greedy_mask=None if all_greedy or all_random else to_device(greedy, dev),
             all_greedy=all_greedy, all_random=all_random,
             top_k=top_k, max_top_k=int(row_k[enabled].max()) if top_k is not None else 0,
             top_p=top_p, min_p=min_p,
             presence_penalties=presence, frequency_penalties=frequency, repetition_penalties=repetition,
             prompt_token_mask=prompt_mask, output_token_counts=counts,
             logit_bias_rows=longs(bias_rows), logit_bias_tokens=longs(bias_tokens),
-            logit_bias_values=torch.tensor(bias_values, dtype=torch.float32, device=dev) if bias_rows else None,
+            logit_bias_values=to_device(np.array(bias_values, np.float32), dev) if bias_rows else None,
             min_tokens_rows=longs(min_rows), min_tokens_tokens=longs(min_toks),
             generators=(gens := {i: g for i, r in enumerate(rows.tolist())
                                  if (g := self.generators[r]) is not None and not self.greedy[r]}),

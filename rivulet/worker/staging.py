@@ -1,12 +1,12 @@
 """Host-to-device moves of a step's inputs: one pinned host buffer per device buffer, one copy each.
 
 A step's inputs are small integer arrays built on the host (token ids, positions, slots, block tables,
-sequence lengths). Copied one by one from pageable memory, each would be a blocking copy; here every
-array of one dtype is written into one pinned host buffer (`Mirror.host`) and moved by a single
-non-blocking copy into a device buffer that persists across steps (`Mirror.device`). The copy is
-ordered on the current stream before the step's kernels, and a kernel of the step before that still
-reads the device buffer ran before it on the same stream, so reusing it is safe; the host buffer is
-reused only once the event recorded after its copy has passed.
+sequence lengths). Copied one by one from pageable memory, each would be a blocking copy (torch waits
+for the stream to drain); here every array of one dtype is written into one pinned host buffer
+(`Mirror.host`) and moved by a single non-blocking copy into a device buffer that persists across
+steps (`Mirror.device_buf`). The copy is ordered on the current stream before the step's kernels, and
+a kernel of an earlier step that reads the device buffer ran before it on the same stream, so reusing
+it is safe; the host buffer is reused only once the event recorded after its copy has passed.
 
 On the CPU there is nothing to move: `Staging` hands out the arrays themselves as tensors (fresh each
 step), and a `Mirror`'s host buffer is its device buffer.
@@ -21,6 +21,15 @@ import torch
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host array as a tensor on `device` without waiting for the device: on the CPU the array itself;
+    elsewhere a copy in pinned memory (from torch's caching host allocator, which keeps the block until the
+    copy is done) moved by a non-blocking copy. A plain `.to(device)` from pageable memory waits for
+    everything queued on the stream first."""
+    t = torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class Mirror:
@@ -57,12 +66,17 @@ class Mirror:
 
 class Staging:
     """Moves groups of host arrays to the device: each group (one dtype) is packed into a `Mirror` that grows as
-    needed and copied at once; the tensors returned are views of its device buffer, valid until the next move."""
+    needed and copied at once; the tensors returned are views of its device buffer, valid until the group after
+    next of that dtype. Each dtype has a ring of `RING` mirrors, used in turn: a move waits only for the copy
+    made `RING` moves before (long done), never for one queued behind the device's current work."""
+
+    RING = 4
 
     def __init__(self, device: torch.device, copy: bool | None = None) -> None:
         self.device = device
         self.copies = device.type != "cpu" if copy is None else copy
-        self._mirrors: dict[torch.dtype, Mirror] = {}
+        self._rings: dict[torch.dtype, list[Mirror | None]] = {}
+        self._turn: dict[torch.dtype, int] = {}
 
     def move(self, arrays: Sequence[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """Device tensors with the values and shapes of `arrays`, as `dtype`."""
@@ -71,9 +85,11 @@ class Staging:
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)) for a in arrays]
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        m = self._mirrors.get(dtype)
+        ring = self._rings.setdefault(dtype, [None] * self.RING)
+        turn = self._turn[dtype] = (self._turn.get(dtype, -1) + 1) % self.RING
+        m = ring[turn]
         if m is None or m.numel < total:
-            m = self._mirrors[dtype] = Mirror(max(total, 2 * m.numel if m else 1024), dtype, self.device, copy=True)
+            m = ring[turn] = Mirror(max(total, 2 * m.numel if m else 1024), dtype, self.device, copy=True)
         buf = m.writable()
         off = 0
         for a, k in zip(arrays, sizes):

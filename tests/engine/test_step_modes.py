@@ -11,6 +11,7 @@ import pytest
 from helpers.tiny import TINY_CONFIGS
 from rivulet import LLM, SamplingParams
 from rivulet.core.request import Request
+from rivulet.worker.async_output import resolve
 
 KINDS = sorted(TINY_CONFIGS)
 
@@ -58,7 +59,7 @@ def _check_modes(model: str, vocab: int, **kw) -> None:
     accepted, execute = [0], core.executor.execute
 
     def counting(out, grammar_bitmask=None):
-        result = execute(out, grammar_bitmask)
+        result = resolve(execute(out, grammar_bitmask))
         accepted[0] += sum(len(t) - 1 for t in result.sampled_token_ids.values())
         return result
 
@@ -79,6 +80,44 @@ def test_async_and_draft_steps_match_sync_on_tiny_models(kind, tiny_model_dir):
 @pytest.mark.parametrize("kw", [dict(), dict(num_kv_blocks=12, block_size=16)], ids=["roomy", "preempt"])
 def test_async_and_draft_steps_match_sync_on_the_default_model(kw):
     _check_modes("default", 40000, max_model_len=192, max_num_batched_tokens=64, **kw)
+
+
+def test_async_outputs_keep_sampling_logprobs_and_penalties():
+    """With async scheduling the tokens reach the host a step late (the next step reads them on the device):
+    seeded sampling, penalties (counted on the device), logit bias, min_tokens, logprobs and prompt logprobs
+    are the synchronous loop's, with preemption in the mix."""
+    prompts, _ = _workload(40000, n=8, seed=3)
+    kinds = [dict(temperature=0.8, top_p=0.9, seed=11), dict(temperature=0, presence_penalty=1.5, frequency_penalty=0.5),
+             dict(temperature=1.0, top_k=20, repetition_penalty=1.3, seed=5),
+             dict(temperature=0, logit_bias={100: 5.0}, min_tokens=6)]
+    params = [SamplingParams(max_tokens=10 + i, logprobs=2, prompt_logprobs=1 if i % 3 == 0 else None,
+                             **kinds[i % len(kinds)]) for i in range(len(prompts))]
+
+    def lps(entries: list | None) -> list | None:
+        return None if entries is None else [None if e is None else {t: v.logprob for t, v in e.items()}
+                                             for e in entries]
+
+    def near(got: list | None, want: list | None) -> bool:  # (batches differ: float32 rounding in the last digits)
+        return (got is None) == (want is None) and (got is None or len(got) == len(want) and all(
+            (g is None) == (w is None) and (g is None or g.keys() == w.keys() and
+                                            all(abs(g[t] - w[t]) < 1e-3 for t in g)) for g, w in zip(got, want)))
+
+    def run(async_scheduling: bool) -> tuple[list, dict]:
+        llm = LLM("default", dtype="float32", max_model_len=160, max_num_batched_tokens=48, num_kv_blocks=10,
+                  block_size=16, async_scheduling=async_scheduling)
+        got = [(o.outputs[0].token_ids, lps(o.outputs[0].logprobs), lps(o.prompt_logprobs))
+               for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.core.get_stats()
+        assert llm.engine.core.executor.runner.async_outputs == async_scheduling
+        llm.shutdown()
+        return got, stats
+
+    want, _ = run(False)
+    got, stats = run(True)
+    assert stats["num_preemptions"] > 0
+    for (gt, glp, gp), (wt, wlp, wp) in zip(got, want):
+        assert gt == wt and len(glp) == len(gt)
+        assert near(glp, wlp) and near(gp, wp)
 
 
 def test_cpu_default_is_synchronous():

@@ -131,6 +131,35 @@ def test_scheduling_past_known_tokens_or_blocks_is_refused() -> None:
         batch.prepare(SchedulerOutput(num_scheduled_tokens={"a": 6}, total_num_scheduled_tokens=6))
 
 
+def test_deferred_tokens_are_read_on_the_device_until_settled() -> None:
+    """Async outputs: a step gathered before the host knows the last sampled tokens reads them from the device
+    tensor, drafts go after them, and `settle` gives them to the rows still there (not to a row taken since)."""
+    batch = InputBatch(BS, VOCAB, CPU)
+    batch.update(SchedulerOutput(new_requests=[NewRequestData("a", [1, 2, 3], 3, [0, 1], 0, None),
+                                               NewRequestData("b", [4, 5], 2, [2], 0, None),
+                                               NewRequestData("c", [6], 1, [3], 0, None)]), set())
+    rows = np.array([batch.row_of[r] for r in "abc"])
+    batch.defer_tokens(rows, torch.tensor([30, 40, 50]))
+    out = SchedulerOutput(num_scheduled_tokens={"b": 1, "a": 1, "c": 1}, total_num_scheduled_tokens=3)
+    for rid, done in zip("abc", (3, 2, 1)):
+        batch.num_computed[batch.row_of[rid]] = done
+    step = batch.prepare(out)
+    assert step.flat.input_ids.tolist() == [40, 30, 50] and step.flat.positions.tolist() == [2, 3, 1]
+    assert step.sample.all()
+    with pytest.raises(ValueError, match="known tokens"):  # one pending token, not two
+        batch.prepare(SchedulerOutput(num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2))
+    batch.update(SchedulerOutput(finished_request_ids={"c"}, new_requests=[
+        NewRequestData("d", [7, 8], 2, [4], 0, None)]), set())  # takes c's row
+    assert batch.row_of["d"] == rows[2]
+    drafts = SchedulerOutput(num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3,
+                             scheduled_spec_tokens={"a": [11, 12]})
+    step = batch.prepare(drafts)  # the pending token, then the drafts after it
+    assert step.flat.input_ids.tolist() == [30, 11, 12] and step.num_logits.tolist() == [3]
+    batch.settle(rows, np.array([30, 40, 50]))
+    assert batch.tokens("a") == [1, 2, 3, 30] and batch.tokens("b") == [4, 5, 40] and batch.tokens("d") == [7, 8]
+    assert batch.pending_ids is None and (batch.pending == -1).all()
+
+
 PARAMS = [
     SamplingParams(temperature=0),
     SamplingParams(temperature=0.7, top_k=5),

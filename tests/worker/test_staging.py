@@ -23,12 +23,15 @@ def test_staging_packs_each_dtype_into_one_buffer_and_keeps_shapes():
     ta, tb, tc = s.move([a, b, c], torch.int64)
     assert ta.tolist() == a.tolist() and tb.tolist() == b.tolist() and tc.tolist() == c.tolist()
     assert tb.shape == (2, 3) and tb.dtype == torch.int64
-    base = s._mirrors[torch.int64].device_buf
+    mirror = s._rings[torch.int64][0]
+    base = mirror.device_buf
     assert ta.data_ptr() == base.data_ptr() and tc.data_ptr() == base.data_ptr() + 11 * 8  # packed: one copy
-    assert not np.shares_memory(s._mirrors[torch.int64].np, base.numpy())  # a host half and a device half
+    assert not np.shares_memory(mirror.np, base.numpy())  # a host half and a device half
+    later = [s.move([np.full(3, i)], torch.int64)[0] for i in range(Staging.RING - 1)]
+    assert ta.tolist() == a.tolist() and [t.tolist() for t in later] == [[i] * 3 for i in range(Staging.RING - 1)]
     big = np.arange(5000)
-    (t,) = s.move([big], torch.int64)  # grows
-    assert t.tolist() == big.tolist() and s._mirrors[torch.int64].numel >= 5000
+    (t,) = s.move([big], torch.int64)  # the ring's first mirror again: grown
+    assert t.tolist() == big.tolist() and s._rings[torch.int64][0].numel >= 5000
     (q,) = s.move([np.array([3, 4], np.int64)], torch.int32)
     assert q.dtype == torch.int32 and q.tolist() == [3, 4]
 
@@ -55,13 +58,15 @@ def _prompts(n: int, seed: int = 0) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))]} for _ in range(n)]
 
 
-@pytest.mark.parametrize("spec", [None, "draft"])
-def test_runs_on_the_copying_path_give_the_direct_paths_tokens(spec, tiny_model_dir, monkeypatch):
-    """Prefill chunks, decode, preemption, prompt logprobs and (with a draft model) the draft's passes and the
-    verify steps read their inputs from persistent buffers overwritten by every step: the tokens must not change."""
+@pytest.mark.parametrize("mode", ["sync", "async", "draft"])
+def test_runs_on_the_copying_path_give_the_direct_paths_tokens(mode, tiny_model_dir, monkeypatch):
+    """Prefill chunks, decode, preemption, prompt logprobs, async outputs (tokens read on the device: one more move
+    per step) and the draft model's passes and verify steps read their inputs from persistent buffers that later
+    steps overwrite: the tokens must not change."""
     path, _ = tiny_model_dir("llama")
-    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=24, block_size=4, num_kv_blocks=40)
-    if spec:
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=24, block_size=4, num_kv_blocks=40,
+              async_scheduling=mode == "async")
+    if mode == "draft":
         kw["speculative_config"] = {"model": str(path), "num_speculative_tokens": 3}
     prompts = _prompts(8)
     params = [SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True, logprobs=1, prompt_logprobs=1)
