@@ -10,7 +10,8 @@ run the same weights. Then, each step guarded on its own:
   against the bandwidth bound (bytes read per token / measured copy bandwidth, in the report);
 - where a decode step's time goes at batch 1 and at the throughput run's batch: wall vs device ms
   per step (the difference is host time) and the kernels that take most device time;
-- batch-1 `LLM.generate`, eager vs graphs; offline throughput N x in/out; transformers' `generate`
+- batch-1 `LLM.generate`, eager vs graphs, and graphs with the synchronous loop (what async scheduling
+  gains); the throughput run also with the synchronous loop; offline throughput N x in/out; transformers' `generate`
   on the same prompts; a long run (e.g. 1000/1000) when the time budget allows;
 - structured output (when xgrammar is importable): the same shape with a word-level tokenizer over the
   whole vocabulary, JSON-schema requests against free ones, asynchronous scheduling (the grammar mask
@@ -188,6 +189,20 @@ def profile_decode(runner: Any, batch: int, context: int, steps: int, device: to
                                                 for k, ms, c in timed[:12]]}
 
 
+def _without_async(llm: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`fn` run with the synchronous loop (each step's tokens on the host before the next is scheduled), to
+    measure what async scheduling and its async outputs gain; the engine's mode is restored after."""
+    core = llm.engine.core
+    was = core.async_scheduling
+    core.async_scheduling = False
+    core.executor.use_async_outputs(False)
+    try:
+        return fn()
+    finally:
+        core.async_scheduling = was
+        core.executor.use_async_outputs(was)
+
+
 def _generate(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     from rivulet import SamplingParams
 
@@ -322,12 +337,16 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         res = {"eager": eager}
         if graphs is not None:
             res["graphs"] = _generate(llm, p, args.output_len)
+            res["graphs_sync"] = _without_async(llm, lambda: _generate(llm, p, args.output_len))
         return res
 
     def throughput() -> dict[str, Any]:
         state["short_prompts"] = prompts(args.num_prompts, args.input_len)
         _generate(state["llm"], state["short_prompts"][:2], 2)  # warm-up
         return _generate(state["llm"], state["short_prompts"], args.output_len)
+
+    def throughput_sync() -> dict[str, Any]:
+        return _without_async(state["llm"], lambda: _generate(state["llm"], state["short_prompts"], args.output_len))
 
     def hf_throughput() -> dict[str, Any]:
         hf = state["hf"]
@@ -447,6 +466,8 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
     _step(out, "decode_profile", deadline, 20, decode_profile)
     _step(out, "generate_b1", deadline, 30, generate_b1)
     _step(out, "throughput", deadline, 30, throughput)
+    if out.data.get("throughput", {}).get("status") == "ok":
+        _step(out, "throughput_sync", deadline, 30, throughput_sync)
     if "hf" in state:
         _step(out, "hf_generate", deadline, 40, hf_throughput)
         del state["hf"]  # its memory goes to the long run's KV cache

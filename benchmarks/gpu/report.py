@@ -69,7 +69,8 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
              f"intermediate {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}", "",
              "| step | status |", "|---|---|"]
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "decode_profile",
-                 "generate_b1", "throughput", "hf_generate", "structured", "spec_decode", "throughput_long"):
+                 "generate_b1", "throughput", "throughput_sync", "hf_generate", "structured", "spec_decode",
+                 "throughput_long"):
         lines.append(f"| {step} | {_status(m.get(step))} |")
     lines.append("")
     b = m.get("rivulet_build", {})
@@ -118,10 +119,11 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
     rows = []
     g1 = m.get("generate_b1", {})
     if g1.get("status") == "ok":
-        for mode in ("eager", "graphs"):
+        for mode in ("eager", "graphs", "graphs_sync"):
             if mode in g1:
-                rows.append((f"Rivulet LLM.generate ({mode})", g1[mode]))
-    for key, label in (("throughput", "Rivulet LLM.generate"), ("throughput_long", "Rivulet LLM.generate (long)")):
+                rows.append((f"Rivulet LLM.generate ({mode.replace('_', ', ')})", g1[mode]))
+    for key, label in (("throughput", "Rivulet LLM.generate"), ("throughput_sync", "Rivulet LLM.generate (sync loop)"),
+                       ("throughput_long", "Rivulet LLM.generate (long)")):
         if m.get(key, {}).get("status") == "ok":
             rows.append((label, m[key]))
     hf = m.get("hf_generate", {})

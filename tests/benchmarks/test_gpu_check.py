@@ -69,6 +69,8 @@ def test_report_renders_every_part():
                           "top": [{"name": "_attention_kernel", "ms_per_step": 0.25, "calls_per_step": 32}]}},
                       "throughput": {"status": "ok", "requests": 256, "input_len": 128, "output_len": 128,
                                      "elapsed_s": 5.0, "output_tok_s": 6000.0, "total_tok_s": 12000.0},
+                      "throughput_sync": {"status": "ok", "requests": 256, "input_len": 128, "output_len": 128,
+                                          "elapsed_s": 6.0, "output_tok_s": 5000.0, "total_tok_s": 10000.0},
                       "hf_generate": {"status": "error", "error": "CUDA out of memory"},
                       "spec_decode": {"status": "ok", "draft_layers": 4, "streams": 64, **{
                           name: {"b1": {"output_tok_s": tps, "acceptance_rate": acc, "tokens_per_verify": tpv},
@@ -86,6 +88,7 @@ def test_report_renders_every_part():
                  "ERROR: RuntimeError: boom / bad", "Bandwidth bound: 266.7 tok/s", "| graphs | 200.0 | 5.00 | 75.0 |",
                  "Greedy tokens with graphs identical to eager: yes", "256 x 128/128", "## Errors",
                  "| 1 | 128 | yes | 6.000 | 4.500 | 4.200 | 25% |", "`_attention_kernel` 0.250 x32",
+                 "| Rivulet LLM.generate (sync loop) | 256 x 128/128 | 5000.0 |",
                  "CUDA out of memory", "skipped (time budget: 3s left)", "pytest is not installed",
                  "| ngram | 500.0 | 2.50 | 0.80 | 4.20 | 9000.0 | 1.00 | [1, 5] | yes |"):
         assert want in md, want
@@ -123,7 +126,7 @@ def test_dry_run_end_to_end(tmp_path):
     model = secs["model"]
     assert model["status"] == "ok"
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "decode_profile",
-                 "generate_b1", "throughput", "hf_generate", "spec_decode", "throughput_long"):
+                 "generate_b1", "throughput", "throughput_sync", "hf_generate", "spec_decode", "throughput_long"):
         assert model[step]["status"] == "ok", (step, model[step])
     prof = model["decode_profile"]  # batch 1 and the throughput run's batch, each with its busiest ops
     assert prof["b1"]["wall_ms_per_step"] > 0 and prof["b1"]["top"] and prof["b4"]["batch"] == 4
