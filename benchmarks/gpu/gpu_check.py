@@ -6,7 +6,7 @@
 Sections run one after another, each in its own Python process (a CUDA error in one cannot take
 the others down) under its share of one global time budget: `ceilings` (copy bandwidth, bf16
 matmul), `kernels` (every Triton op vs its reference, timed), `model` (Llama-3-8B-shaped model
-on Rivulet and transformers; structured output on it when xgrammar is installed), `pytest` (tests/kernels on the GPU, bf16 cases included; only when
+on Rivulet and transformers; structured output on it when xgrammar is installed), `pytest` (tests/kernels on the GPU, bf16 cases included, and the step's tests on tiny models; only when
 pytest is installed). Each section rewrites its JSON under $OUT/parts as it goes; the parent
 merges them into $OUT/gpu_check.json and $OUT/summary.md after every section (also when one
 fails or times out), and prints the summary at the end.
@@ -136,7 +136,11 @@ def run_pytest(out: Any, deadline: Any) -> None:
     # tensor- and pipeline-parallel tier test wants two devices). The C++ CPU kernels are CI's: on the lent
     # machine's image (torch 2.11+cu130, GCC 13) any extension's c10::str of an integer segfaults, so their
     # error-path tests crash pytest there.
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py",
+    # Also the step's own GPU paths on tiny models (pinned input copies, async outputs, graphs), against the
+    # synchronous loop and the direct path.
+    steps = [f"tests/engine/test_step_modes.py::test_async_and_draft_steps_match_sync_on_tiny_models[{k}]"
+             for k in ("llama", "qwen3")]
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py", "tests/worker", *steps,
            "--ignore=tests/kernels/test_cpu_kernels.py", "--ignore=tests/kernels/test_packed_linear.py",
            "-k", "not default_model and not every_rank", "-q", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:  # serial, the GPU tests took over 134 s of the budget
