@@ -57,7 +57,7 @@ def to_device(input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, l
         if graphs is not None else None
     if fit is not None:
         g, bucket = fit
-        t = g.stage(input_ids, positions, slots, logits_indices, seq_lens, block_tables, bucket)
+        t = g.stage(input_ids, positions, slots, logits_indices, seq_lens, block_tables, bucket, staging)
     else:
         t = StagedInputs(*staging.move([input_ids, positions, slots, logits_indices], torch.int64),
                          *staging.move([block_tables, query_start_loc, seq_lens], torch.int32))

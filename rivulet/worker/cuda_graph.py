@@ -8,10 +8,10 @@ replay it:
 - The graph reads its inputs from static buffers (input_ids, positions, slot_mapping,
   block_tables, seq_lens, query_start_loc) sized for the largest bucket. They are the step's input
   buffers: a step that fits is built on the host straight into their pinned mirrors (`stage`, called
-  by the flat-batch builder when it is given the graphs) and moved by two non-blocking copies, its
-  own values in the first rows and the rest of the bucket harmless sequences: tokens 0 at positions
-  0..q-1, slot -1 (the KV-cache write skips it), context length q over block 0 (read, never written,
-  and the rows' outputs are dropped).
+  by the flat-batch builder when it is given the graphs) and moved by non-blocking copies, its own
+  values in the first rows and the rest of the bucket harmless sequences: tokens 0 at positions
+  0..q-1, slot -1 (the KV-cache write skips it), context length q over whatever block their table
+  rows hold (read, never written, and the rows' outputs are dropped).
 - Only steps where every sequence has exactly q new tokens, for a captured q, use a graph, and only
   up to the largest bucket and block-table width captured; anything else runs eagerly. A verify
   step qualifies when every request got its k drafts (a draft model always proposes k; prompt
@@ -34,7 +34,7 @@ import torch
 
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
 from rivulet.worker.batch import FlatBatch, StagedInputs
-from rivulet.worker.staging import Mirror
+from rivulet.worker.staging import Mirror, Staging
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -60,9 +60,12 @@ class DecodeGraphs:
     """Static inputs for steps of `query_len` new tokens per sequence at batch sizes up to max(buckets),
     and one graph per bucket.
 
-    The static inputs are the device halves of two `Mirror`s: int64 [token ids | positions | slots | logits
-    indices] and int32 [sequence lengths | block tables]. A step that fits is written (padded) into their
-    pinned host halves and moved by two non-blocking copies: no other kernel runs before the replay."""
+    Token ids, positions, slots and logits indices are the device half of one int64 `Mirror`, sequence
+    lengths of one int32 `Mirror`: a step that fits is written (padded) into their pinned halves and moved
+    by two non-blocking copies. Block tables are a device tensor [max bucket, max blocks] into which each
+    step's own [n, width] table (moved compact by the runner's `Staging`) is copied on the device: one more
+    copy, instead of sending the whole width of every bucket row each step. Each field starts 16-byte
+    aligned (Triton specializes kernels on aligned pointers)."""
 
     def __init__(self, buckets: tuple[int, ...], max_blocks_per_seq: int, device: torch.device,
                  query_len: int = 1) -> None:
@@ -71,13 +74,16 @@ class DecodeGraphs:
         self.q = q = query_len
         self.max_seqs = b = self.buckets[-1]
         self.max_tokens = t = b * q
+        self._row = row = -(-t // 2) * 2  # int64 fields 16-byte aligned
         self._pad_positions = np.tile(np.arange(q, dtype=np.int64), b)  # 0..q-1 per sequence
-        self._i64 = Mirror(4 * t, torch.int64, device)
-        self._i32 = Mirror(b + b * w, torch.int32, device)
-        d64, d32 = self._i64.device_buf, self._i32.device_buf
-        self.input_ids, self.positions, self.slot_mapping, self.logits_indices = d64.view(4, t).unbind(0)
-        self.seq_lens, self.block_tables = d32[:b], d32[b:].view(b, w)
-        self.query_start_loc = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=device)  # q per sequence
+        self._i64 = Mirror(4 * row, torch.int64, device)
+        self._lens = Mirror(b, torch.int32, device)
+        self.input_ids, self.positions, self.slot_mapping, self.logits_indices = (
+            f[:t] for f in self._i64.device_buf.view(4, row).unbind(0))
+        self.seq_lens = self._lens.device_buf
+        with torch.inference_mode(False):
+            self.block_tables = torch.zeros(b, w, dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=device)  # q per sequence
         self.stage(*_EMPTY_STEP, bucket=b)  # every sequence padding
         self.captured: dict[int, _Captured] = {}
         self.capture_s = 0.0
@@ -109,25 +115,28 @@ class DecodeGraphs:
         return self.input_ids[:t], self.positions[:t], meta
 
     def stage(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, logits_indices: np.ndarray,
-              seq_lens: np.ndarray, block_tables: np.ndarray, bucket: int) -> StagedInputs:
+              seq_lens: np.ndarray, block_tables: np.ndarray, bucket: int, staging: Staging | None = None
+              ) -> StagedInputs:
         """Write a step of n sequences (host arrays) into the static inputs, sequences n..bucket-1 padding
-        (tokens 0 at positions 0..q-1, not stored, context q in block 0), and start their copies to the device.
-        Views of the step's own part of the static inputs."""
-        n, q, tm = len(seq_lens), self.q, self.max_tokens
+        (tokens 0 at positions 0..q-1, not stored, context q in whatever block their table rows hold: a block
+        id of an earlier step, or 0; read, never written), and start their copies to the device (the block
+        table through `staging`). Views of the step's own part of the static inputs."""
+        n, q, row = len(seq_lens), self.q, self._row
         t, end = n * q, bucket * q
-        h = self._i64.writable().reshape(4, tm)
+        h = self._i64.writable().reshape(4, row)
         h[0, :t], h[0, t:end] = input_ids, 0
         h[1, :t], h[1, t:end] = positions, self._pad_positions[: end - t]
         h[2, :t], h[2, t:end] = slots, -1
         h[3, :len(logits_indices)] = logits_indices
-        self._i64.push(4 * tm)
-        b, width = self.max_seqs, block_tables.shape[1]
-        h32 = self._i32.writable()
-        h32[:n], h32[n:bucket] = seq_lens, q
-        tables = h32[b:].reshape(b, self.max_blocks_per_seq)
-        tables[:n, :width] = block_tables  # columns past a sequence's length are never read
-        tables[n:bucket, 0] = 0
-        self._i32.push(b + bucket * self.max_blocks_per_seq)
+        self._i64.push(4 * row)
+        lens = self._lens.writable()
+        lens[:n], lens[n:bucket] = seq_lens, q
+        self._lens.push(bucket)
+        width = block_tables.shape[1]
+        if n:
+            assert staging is not None, "a step's block table moves through the runner's staging"
+            (compact,) = staging.move([block_tables], torch.int32)
+            self.block_tables[:n, :width].copy_(compact)  # columns past a sequence's length are never read
         return StagedInputs(self.input_ids[:t], self.positions[:t], self.slot_mapping[:t],
                             self.logits_indices[:len(logits_indices)], self.block_tables[:n, :width],
                             self.query_start_loc[:n + 1], self.seq_lens[:n])

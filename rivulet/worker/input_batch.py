@@ -131,6 +131,8 @@ class InputBatch:
         """One new token for each of `rows`, still on the device: a step gathered before `settle` reads these
         rows' next input from `token_ids` on the device."""
         assert self.pending_ids is None, "settle the tokens deferred before"
+        if len(rows):
+            self._ensure_len(int(self.num_tokens[rows].max()) + 1)  # a gather reads (then replaces) their slot
         self.pending[rows] = np.arange(len(rows))
         self.pending_ids = token_ids
 

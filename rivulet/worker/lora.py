@@ -21,6 +21,7 @@ from rivulet.kernels.lora import LoRAPlan
 from rivulet.layers.lora import LoRASlots, LoRAStep
 from rivulet.lora_request import LoRARequest
 from rivulet.models.loader.peft import adapter_weights, read_adapter
+from rivulet.worker.staging import to_device
 
 # what adapters act on: fused projections as the models build them, and DeepSeek's MLA input projections
 _ADAPTED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
@@ -91,8 +92,8 @@ class LoRAManager:
             self.step.plan = None
             return
         k = len(present)
-        slot_ids = None if present[-1] == k - 1 else torch.from_numpy(present).to(self.device)
-        slots_t = torch.from_numpy(np.ascontiguousarray(token_slots)).to(self.device)
+        slot_ids = None if present[-1] == k - 1 else to_device(present, self.device)
+        slots_t = to_device(token_slots, self.device)
         if k == 1 and (token_slots == present[0]).all():
             self.step.plan = LoRAPlan(slots_t, present.tolist(), slot_ids, None, None, len(token_slots))
             return
@@ -102,9 +103,9 @@ class LoRAManager:
         valid = np.zeros((k, n, 1), np.float32)
         for i, t in enumerate(tokens):
             gather[i, :len(t)], valid[i, :len(t)] = t, 1.0
-        mask = None if valid.all() else torch.from_numpy(valid).to(self.device, self.dtype)
+        mask = None if valid.all() else to_device(valid, self.device).to(self.dtype)
         self.step.plan = LoRAPlan(slots_t, present.tolist(), slot_ids,
-                                  torch.from_numpy(gather.reshape(-1)).to(self.device), mask, n)
+                                  to_device(gather.reshape(-1), self.device), mask, n)
 
     def clear_step(self) -> None:
         self.step.plan = None

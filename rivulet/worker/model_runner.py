@@ -321,8 +321,8 @@ class ModelRunner:
         it asked for, normalized unless it or the model says not to."""
         assert self.pooler is not None, "embedding requests reach only an engine started with task='embed'"
         idx = np.flatnonzero(step.pool)
-        qsl = torch.from_numpy(step.query_start).to(hidden.device)
-        at = torch.from_numpy(idx).to(hidden.device)
+        qsl = to_device(step.query_start, hidden.device)
+        at = to_device(idx, hidden.device)
         vectors = pool(hidden, qsl[at], qsl[at + 1], self.pooler.pooling_type).cpu()
         for j, i in enumerate(idx.tolist()):
             rid = step.req_ids[i]
@@ -356,9 +356,9 @@ class ModelRunner:
         sampled = self.sampler(logits, meta)
         req_ids = [step.req_ids[i] for i in idx.tolist()]
         if self.async_outputs and not step.drafts:
+            deferred = AsyncSample(req_ids, sampled, batch.sampling.logprobs[rows])  # (first: it may fail)
             batch.sampling.record(rows, sampled.sampled_token_ids)
             batch.defer_tokens(rows, sampled.sampled_token_ids)
-            deferred = AsyncSample(req_ids, sampled, batch.sampling.logprobs[rows])
             self._unsettled = (rows, deferred)
             return deferred
         ids_np = sampled.sampled_token_ids.cpu().numpy()
@@ -410,10 +410,12 @@ class ModelRunner:
         entries: list[TokenLogprobs | None] = [None] if start == 0 else []
         if end > start:
             logprobs = self.model.compute_logits(hidden[: end - start]).log_softmax(-1)
-            targets = torch.from_numpy(batch.token_ids[row, start + 1:end + 1].copy()).to(self.device)
+            target_ids = batch.token_ids[row, start + 1:end + 1].copy()
             k = int(batch.sampling.prompt_logprobs[row])
-            g = gather_logprobs(logprobs, targets, max(k, 1))
-            for j in range(end - start):
-                entries.append(TokenLogprobs(int(targets[j]), float(g.sampled_logprobs[j]), int(g.sampled_ranks[j]),
-                                             g.topk_token_ids[j, :k].tolist(), g.topk_logprobs[j, :k].tolist()))
+            g = gather_logprobs(logprobs, to_device(target_ids, self.device), max(k, 1))
+            lps, ranks, top_ids, top_lps = (x.cpu() for x in (g.sampled_logprobs, g.sampled_ranks, g.topk_token_ids,
+                                                              g.topk_logprobs))  # a copy each, not one per token
+            for j, tok in enumerate(target_ids.tolist()):
+                entries.append(TokenLogprobs(tok, float(lps[j]), int(ranks[j]), top_ids[j, :k].tolist(),
+                                             top_lps[j, :k].tolist()))
         result.prompt_logprobs[req_id] = (0 if start == 0 else start + 1, entries)

@@ -102,8 +102,8 @@ class SamplingState:
         pen = self.penalized[rows]
         if pen.any() and self.output_counts is not None:
             r = to_device(rows[pen], self.device)
-            self.output_counts.index_put_((r, token_ids[to_device(pen, token_ids.device)]),
-                                          torch.ones(len(r), device=self.device), accumulate=True)
+            ids = token_ids if pen.all() else token_ids[to_device(np.flatnonzero(pen), token_ids.device)]  # no mask:
+            self.output_counts.index_put_((r, ids), torch.ones(len(r), device=self.device), accumulate=True)  # a sync
 
     def metadata(self, rows: np.ndarray, num_outputs: np.ndarray,
                  positions: np.ndarray | None = None) -> SamplingMetadata:

@@ -40,8 +40,9 @@ class Mirror:
         self.dtype, self.device = dtype, device
         self.copies = device.type != "cpu" if copy is None else copy
         cuda = device.type == "cuda"
-        self.host = torch.zeros(numel, dtype=dtype, pin_memory=cuda)
-        self.device_buf = torch.zeros(numel, dtype=dtype, device=device) if self.copies else self.host
+        with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
+            self.host = torch.zeros(numel, dtype=dtype, pin_memory=cuda)
+            self.device_buf = torch.zeros(numel, dtype=dtype, device=device) if self.copies else self.host
         self.np = self.host.numpy()
         self._copied = torch.cuda.Event() if cuda else None
 
@@ -84,20 +85,28 @@ class Staging:
             np_dtype = _NUMPY[dtype]
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)) for a in arrays]
         sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        starts = aligned_offsets(sizes, dtype)
+        total = starts[-1] + sizes[-1] if sizes else 0
         ring = self._rings.setdefault(dtype, [None] * self.RING)
         turn = self._turn[dtype] = (self._turn.get(dtype, -1) + 1) % self.RING
         m = ring[turn]
         if m is None or m.numel < total:
             m = ring[turn] = Mirror(max(total, 2 * m.numel if m else 1024), dtype, self.device, copy=True)
         buf = m.writable()
-        off = 0
-        for a, k in zip(arrays, sizes):
+        for a, k, off in zip(arrays, sizes, starts):
             buf[off:off + k] = a.reshape(-1)
-            off += k
         dev = m.push(total)
-        out, off = [], 0
-        for a, k in zip(arrays, sizes):
-            out.append(dev[off:off + k].view(a.shape))
-            off += k
-        return out
+        return [dev[off:off + k].view(a.shape) for a, k, off in zip(arrays, sizes, starts)]
+
+
+ALIGN_BYTES = 16  # Triton specializes kernels on 16-byte aligned pointers: a packed view must stay aligned
+
+
+def aligned_offsets(sizes: Sequence[int], dtype: torch.dtype) -> list[int]:
+    """Element offsets of arrays of `sizes` packed one after another, each starting 16-byte aligned."""
+    unit = max(ALIGN_BYTES // dtype.itemsize, 1)
+    out, off = [], 0
+    for k in sizes:
+        out.append(off)
+        off += -(-k // unit) * unit
+    return out

@@ -120,6 +120,20 @@ def test_async_outputs_keep_sampling_logprobs_and_penalties():
         assert near(glp, wlp) and near(gp, wp)
 
 
+def test_async_rows_longer_than_the_batchs_first_width():
+    """The persistent batch starts 256 tokens wide; async steps read the last token back from the device at
+    position num_tokens, so a row crossing the width must have grown first."""
+    rng = random.Random(5)
+    prompt = [{"prompt_token_ids": [rng.randrange(3, 40000) for _ in range(250)]}]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    got = {}
+    for a in (False, True):
+        llm = LLM("default", dtype="float32", max_model_len=320, async_scheduling=a)
+        got[a] = _tokens(llm, prompt, [sp])
+        llm.shutdown()
+    assert got[True] == got[False] and len(got[True][0]) == 20
+
+
 def test_cpu_default_is_synchronous():
     """On CPU the forward pass uses every core: a second busy thread would stall it (docs/cpu.md)."""
     llm = LLM("default", dtype="float32", max_model_len=64, num_kv_blocks=8)

@@ -160,6 +160,23 @@ def test_deferred_tokens_are_read_on_the_device_until_settled() -> None:
     assert batch.pending_ids is None and (batch.pending == -1).all()
 
 
+def test_deferred_tokens_fit_rows_at_the_edge_of_the_token_buffer() -> None:
+    """A row as long as its token buffer still has room for the token it will read back from the device."""
+    batch = InputBatch(BS, VOCAB, CPU, max_len=4)
+    batch.update(SchedulerOutput(new_requests=[NewRequestData("a", [1, 2, 3], 3, [0, 1], 0, None)]), set())
+    row = np.array([batch.row_of["a"]])
+    for n, tok in ((3, 20), (4, 21), (5, 22)):  # three async steps: each reads the last step's token back
+        batch.num_computed[row] = n - 1
+        step = batch.prepare(SchedulerOutput(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1))
+        assert step.flat.positions.tolist() == [n - 1]
+        batch.defer_tokens(row, torch.tensor([tok]))
+        batch.num_computed[row] = n
+        step = batch.prepare(SchedulerOutput(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1))
+        assert step.flat.input_ids.tolist() == [tok] and step.flat.positions.tolist() == [n]
+        batch.settle(row, np.array([tok]))
+    assert batch.tokens("a") == [1, 2, 3, 20, 21, 22]
+
+
 PARAMS = [
     SamplingParams(temperature=0),
     SamplingParams(temperature=0.7, top_k=5),

@@ -25,7 +25,7 @@ def test_staging_packs_each_dtype_into_one_buffer_and_keeps_shapes():
     assert tb.shape == (2, 3) and tb.dtype == torch.int64
     mirror = s._rings[torch.int64][0]
     base = mirror.device_buf
-    assert ta.data_ptr() == base.data_ptr() and tc.data_ptr() == base.data_ptr() + 11 * 8  # packed: one copy
+    assert ta.data_ptr() == base.data_ptr() and tc.data_ptr() == base.data_ptr() + 12 * 8  # packed (aligned): one copy
     assert not np.shares_memory(mirror.np, base.numpy())  # a host half and a device half
     later = [s.move([np.full(3, i)], torch.int64)[0] for i in range(Staging.RING - 1)]
     assert ta.tolist() == a.tolist() and [t.tolist() for t in later] == [[i] * 3 for i in range(Staging.RING - 1)]
@@ -34,6 +34,17 @@ def test_staging_packs_each_dtype_into_one_buffer_and_keeps_shapes():
     assert t.tolist() == big.tolist() and s._rings[torch.int64][0].numel >= 5000
     (q,) = s.move([np.array([3, 4], np.int64)], torch.int32)
     assert q.dtype == torch.int32 and q.tolist() == [3, 4]
+
+
+def test_packed_views_start_16_byte_aligned():
+    """Triton specializes kernels on 16-byte aligned pointers: a packed view at an odd offset would compile (and
+    run) another variant."""
+    s = Staging(CPU, copy=True)
+    views = s.move([np.arange(3), np.arange(5), np.arange(1), np.arange(2)], torch.int64)
+    assert [v.tolist() for v in views] == [[0, 1, 2], [0, 1, 2, 3, 4], [0], [0, 1]]
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+    views = s.move([np.arange(6, dtype=np.int32).reshape(2, 3), np.arange(3), np.arange(2)], torch.int32)
+    assert views[0].tolist() == [[0, 1, 2], [3, 4, 5]] and all(v.data_ptr() % 16 == 0 for v in views)
 
 
 def test_direct_staging_hands_out_the_arrays():
