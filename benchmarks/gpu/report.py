@@ -103,8 +103,9 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
     prof = m.get("decode_profile", {})
     if prof.get("status") == "ok":
         runs = [v for k, v in prof.items() if k.startswith("b") and isinstance(v, dict)]
-        lines += ["### Where a decode step goes (model runner; device ms between events around each forward, "
-                  "kernel ms from torch.profiler)", "",
+        lines += ["### Where a decode step goes (model runner with hand-made batches, built from lists: more host "
+                  "time than the engine's vectorized gather; device ms between events around each forward, kernel ms "
+                  "from torch.profiler)", "",
                   "| batch | context | graphs | wall ms/step | device ms/step | kernel ms/step | host share |",
                   "|---|---|---|---|---|---|---|"]
         for r in runs:
