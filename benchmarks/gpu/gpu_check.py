@@ -140,7 +140,8 @@ def run_pytest(out: Any, deadline: Any) -> None:
     # synchronous loop and the direct path.
     steps = [f"tests/engine/test_step_modes.py::test_async_and_draft_steps_match_sync_on_tiny_models[{k}]"
              for k in ("llama", "qwen3")]
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py", "tests/worker", *steps,
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py",
+           "tests/worker/test_staging.py", *steps,
            "--ignore=tests/kernels/test_cpu_kernels.py", "--ignore=tests/kernels/test_packed_linear.py",
            "-k", "not default_model and not every_rank", "-q", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:  # serial, the GPU tests took over 134 s of the budget
