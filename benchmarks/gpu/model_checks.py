@@ -189,6 +189,30 @@ def profile_decode(runner: Any, batch: int, context: int, steps: int, device: to
                                                 for k, ms, c in timed[:12]]}
 
 
+def profile_generate(llm: Any, prompt: list[int], output_len: int, device: torch.device) -> dict[str, Any]:
+    """The engine's own batch-1 decode (`LLM.generate`, async scheduling where it is on): wall ms per output
+    token against the kernels' device ms per token (torch.profiler, the prompt's step included); the rest is
+    the host's (scheduling, inputs, launches, waits), which async scheduling is there to hide."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rivulet import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    prompts = [{"prompt_token_ids": prompt}]
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    cuda = device.type == "cuda"
+    kernels = None
+    if cuda:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, sp, use_tqdm=False)
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / output_len
+    return {"output_len": output_len, "async_scheduling": llm.engine.core.async_scheduling,
+            "wall_ms_per_token": 1e3 * wall / output_len, "kernel_ms_per_token": kernels}
+
+
 def _without_async(llm: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`fn` run with the synchronous loop (each step's tokens on the host before the next is scheduled), to
     measure what async scheduling and its async outputs gain; the engine's mode is restored after."""
@@ -321,7 +345,10 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         ctx, steps = args.input_len, max(args.decode_steps // 4, 4)
         free_blocks = state["llm"].engine.core.num_blocks - 1
         wide = min(args.num_prompts, free_blocks // -(-(ctx + steps + 1) // runner.cache_config.block_size))
-        return {f"b{b}": profile_decode(runner, b, ctx, steps, device) for b in sorted({1, wide}) if b >= 1}
+        res: dict[str, Any] = {f"b{b}": profile_decode(runner, b, ctx, steps, device) for b in sorted({1, wide})
+                               if b >= 1}
+        res["engine_b1"] = profile_generate(state["llm"], prompts(1, ctx)[0], max(args.output_len // 2, 4), device)
+        return res
 
     def generate_b1() -> dict[str, Any]:
         llm = state["llm"]

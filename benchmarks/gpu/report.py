@@ -102,7 +102,7 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
         lines.append("")
     prof = m.get("decode_profile", {})
     if prof.get("status") == "ok":
-        runs = [v for k, v in prof.items() if k.startswith("b") and isinstance(v, dict)]
+        runs = [v for k, v in prof.items() if k.startswith("b") and isinstance(v, dict) and "batch" in v]
         lines += ["### Where a decode step goes (model runner with hand-made batches, built from lists: more host "
                   "time than the engine's vectorized gather; device ms between events around each forward, kernel ms "
                   "from torch.profiler)", "",
@@ -113,6 +113,12 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
             host = f"{100 * (1 - dev / r['wall_ms_per_step']):.0f}%" if dev else "-"
             lines.append(f"| {r['batch']} | {r['context']} | {_f(r['graphs'])} | {_f(r['wall_ms_per_step'], 3)} | "
                          f"{_f(dev, 3)} | {_f(r.get('kernel_ms_per_step'), 3)} | {host} |")
+        eng = prof.get("engine_b1")
+        if eng and eng.get("kernel_ms_per_token"):
+            w, k = eng["wall_ms_per_token"], eng["kernel_ms_per_token"]
+            lines += ["", f"The engine at batch 1 (`LLM.generate`, async scheduling {_f(eng['async_scheduling'])}, "
+                      f"{eng['output_len']} tokens): {_f(w, 3)} ms per token, of which kernels {_f(k, 3)} ms: "
+                      f"host share {100 * (1 - k / w):.0f}%."]
         for r in runs:
             lines += ["", f"Top kernels at batch {r['batch']} (ms per step, calls per step): " + "; ".join(
                 f"`{k['name'][:60]}` {_f(k['ms_per_step'], 3)} x{k['calls_per_step']}" for k in r["top"][:8])]

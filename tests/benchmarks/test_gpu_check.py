@@ -66,7 +66,9 @@ def test_report_renders_every_part():
                       "decode_profile": {"status": "ok", "b1": {
                           "batch": 1, "context": 128, "graphs": True, "wall_ms_per_step": 6.0,
                           "device_ms_per_step": 4.5, "kernel_ms_per_step": 4.2,
-                          "top": [{"name": "_attention_kernel", "ms_per_step": 0.25, "calls_per_step": 32}]}},
+                          "top": [{"name": "_attention_kernel", "ms_per_step": 0.25, "calls_per_step": 32}]},
+                          "engine_b1": {"output_len": 64, "async_scheduling": True, "wall_ms_per_token": 5.0,
+                                        "kernel_ms_per_token": 4.5}},
                       "throughput": {"status": "ok", "requests": 256, "input_len": 128, "output_len": 128,
                                      "elapsed_s": 5.0, "output_tok_s": 6000.0, "total_tok_s": 12000.0},
                       "throughput_sync": {"status": "ok", "requests": 256, "input_len": 128, "output_len": 128,
@@ -88,6 +90,7 @@ def test_report_renders_every_part():
                  "ERROR: RuntimeError: boom / bad", "Bandwidth bound: 266.7 tok/s", "| graphs | 200.0 | 5.00 | 75.0 |",
                  "Greedy tokens with graphs identical to eager: yes", "256 x 128/128", "## Errors",
                  "| 1 | 128 | yes | 6.000 | 4.500 | 4.200 | 25% |", "`_attention_kernel` 0.250 x32",
+                 "5.000 ms per token, of which kernels 4.500 ms: host share 10%",
                  "| Rivulet LLM.generate (sync loop) | 256 x 128/128 | 5000.0 |",
                  "CUDA out of memory", "skipped (time budget: 3s left)", "pytest is not installed",
                  "| ngram | 500.0 | 2.50 | 0.80 | 4.20 | 9000.0 | 1.00 | [1, 5] | yes |"):
@@ -130,6 +133,7 @@ def test_dry_run_end_to_end(tmp_path):
         assert model[step]["status"] == "ok", (step, model[step])
     prof = model["decode_profile"]  # batch 1 and the throughput run's batch, each with its busiest ops
     assert prof["b1"]["wall_ms_per_step"] > 0 and prof["b1"]["top"] and prof["b4"]["batch"] == 4
+    assert prof["engine_b1"]["wall_ms_per_token"] > 0
     assert model["logits_vs_hf"]["passed"]
     spec = model["spec_decode"]  # float32: speculation gives plain decoding's greedy tokens
     assert spec["ngram"]["tokens_equal_plain"] and spec["draft"]["tokens_equal_plain"], spec
