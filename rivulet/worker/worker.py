@@ -30,6 +30,7 @@ from rivulet.models.loader import ModelSource, resolve_model
 from rivulet.platforms import current_platform
 from rivulet.worker.commands import (AllocateKVCache, Execute, Gather, SetEosTokenIds, Shutdown, WorkerCommand,
                                      decode_command, decode_runner_output, encode)
+from rivulet.worker.async_output import resolve
 from rivulet.worker.model_runner import ModelRunner
 from rivulet.worker.outputs import ModelRunnerOutput
 
@@ -134,7 +135,7 @@ class Worker:
     def execute(self, out: Any, grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         start = time.perf_counter()
         mask = (lambda: self._bitmask_from_rank0(grammar_bitmask)) if out.grammar_follows else None
-        result = self.runner.execute(out, mask)
+        result = resolve(self.runner.execute(out, mask))  # ranks send plain outputs (no async outputs here)
         if self.runner.kv_tier is not None and self.world_size > 1:
             self._agree_on_tier(result)
         st = self.state
