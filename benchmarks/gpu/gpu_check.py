@@ -137,9 +137,11 @@ def run_pytest(out: Any, deadline: Any) -> None:
     # machine's image (torch 2.11+cu130, GCC 13) any extension's c10::str of an integer segfaults, so their
     # error-path tests crash pytest there.
     # Also the step's own GPU paths on tiny models (pinned input copies, async outputs, graphs), against the
-    # synchronous loop and the direct path.
+    # synchronous loop and the direct path; and the compiled model in CUDA graphs, saved and loaded again
+    # (tests/kernels has compiling over the Triton ops, and the graphs of the compiled forward).
     steps = [f"tests/engine/test_step_modes.py::test_async_and_draft_steps_match_sync_on_tiny_models[{k}]"
              for k in ("llama", "qwen3")]
+    steps.append("tests/compilation/test_compile.py::test_compiled_model_gives_the_eager_tokens")
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "tests/engine/test_kv_tier.py",
            "tests/worker/test_staging.py", *steps,
            "--ignore=tests/kernels/test_cpu_kernels.py", "--ignore=tests/kernels/test_packed_linear.py",

@@ -1,7 +1,8 @@
 """`torch.compile` of a model's forward over one flat batch, saved to disk and loaded at the next start.
 
 The model is plain PyTorch around kernels that are dispatcher ops with fake implementations
-(`torch.ops.rivulet.*`, `rivulet/kernels/cpu/ops.py`), and its attention metadata is tensors only
+(`torch.ops.rivulet.*`, `rivulet/kernels/cpu/ops.py`; on GPUs `torch.ops.rivulet_triton.*`,
+`rivulet/kernels/triton/library.py`), and its attention metadata is tensors only
 (`AttentionMetadata`: the backend's plan is built before the forward), so Dynamo captures the whole
 forward as one graph for any token count: each kernel is one opaque node, attention included, and
 inductor compiles the PyTorch between them (views, splits, embedding, the glue ops of references).
@@ -21,6 +22,9 @@ thread while the engine finishes starting (seconds, instead of tens of seconds o
 compiling). Whatever fails on that path (a graph that will not
 serialize, a step the saved guards reject) is logged and falls back to the in-process `torch.compile`,
 which gives the same results.
+
+On CUDA the runner's CUDA graphs capture this forward (compiled pieces + CUDA graphs): the warm-up run
+before each capture compiles or loads the graphs.
 
 Levels (`--compilation-level`): 0 runs the model eagerly; 1 compiles it; 2 compiles it with Rivulet's
 fusion passes (`passes.py`), which inductor runs on the captured graph; the passes are part of the
@@ -90,9 +94,12 @@ def _cpu_flags() -> str:
 
 @lru_cache(maxsize=1)
 def _environment_digest() -> str:
-    """torch, Python, the CPU's flags and every Rivulet source file: what a saved graph was made with."""
+    """torch, Python, the CPU's flags, the GPU (inductor's code for it is built for its architecture) and every
+    Rivulet source file: what a saved graph was made with."""
     h = hashlib.sha256(f"{torch.__version__}|{sys.version}".encode())
     h.update(_cpu_flags().encode())
+    if torch.cuda.is_available():
+        h.update(f"{torch.cuda.get_device_name()}|{torch.cuda.get_device_capability()}".encode())
     package = Path(__file__).resolve().parents[1]
     for f in sorted(package.rglob("*")):
         if f.suffix in (".py", ".cpp", ".h"):

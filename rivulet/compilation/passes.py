@@ -1,6 +1,7 @@
 """Rivulet's own graph passes, run by inductor on the graph Dynamo captured (`pre_grad_custom_pass`),
-before AOTAutograd functionalizes it: the kernels are still plain `torch.ops.rivulet.*` calls and the
-KV-cache write is still a call that mutates the cache, so a fusion is a local rewrite of a few nodes.
+before AOTAutograd functionalizes it: the kernels are still plain `torch.ops.rivulet.*` calls (or
+`torch.ops.rivulet_triton.*` on GPUs) and the KV-cache write is still a call that mutates the cache,
+so a fusion is a local rewrite of a few nodes.
 
 The model calls fused kernels where its own code can (residual add + RMSNorm, SiLU-and-mul); the passes
 fuse what crosses module boundaries. `--compilation-level 2` runs every pass in `PASSES`, or those
@@ -60,12 +61,23 @@ def _move_after(anchor: fx.Node, start: fx.Node, dependents_of: fx.Node) -> bool
     return True
 
 
+# the kernel backends whose ops the passes match: the C++ CPU ops and the Triton ops (same names)
+_NAMESPACES = ("rivulet", "rivulet_triton")
+
+
 def fuse_rope_kv_write(graph: fx.Graph) -> int:
-    """apply_rotary -> getitem(1) -> views -> write_kv_cache(key=...) into rotary_write_kv_cache."""
-    ops = torch.ops.rivulet
-    if not all(hasattr(ops, name) for name in ("apply_rotary", "write_kv_cache", "rotary_write_kv_cache")):
-        return 0  # no C++ build: the model's kernels are references, there is nothing to match
-    rotary, write, fused = ops.apply_rotary.default, ops.write_kv_cache.default, ops.rotary_write_kv_cache.default
+    """apply_rotary -> getitem(1) -> views -> write_kv_cache(key=...) into rotary_write_kv_cache, for the ops of
+    each kernel backend (none are there when the model's kernels are the references)."""
+    count = 0
+    for namespace in _NAMESPACES:
+        ops = getattr(torch.ops, namespace)
+        if all(hasattr(ops, name) for name in ("apply_rotary", "write_kv_cache", "rotary_write_kv_cache")):
+            count += _fuse_rope_kv_write(graph, ops.apply_rotary.default, ops.write_kv_cache.default,
+                                         ops.rotary_write_kv_cache.default)
+    return count
+
+
+def _fuse_rope_kv_write(graph: fx.Graph, rotary: object, write: object, fused: object) -> int:
     count = 0
     for rot in [n for n in graph.nodes if n.op == "call_function" and n.target is rotary]:
         outs = {u.args[1]: u for u in rot.users if u.target is operator.getitem}

@@ -171,7 +171,8 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         """Capture decode steps of every bucket size over the cache just allocated (with speculative decoding
         also verify steps of 1 + k tokens per sequence, and the draft model's decode passes); on failure log
-        it and run eagerly (slower, same results)."""
+        it and run eagerly (slower, same results). At --compilation-level 1 and 2 the graphs hold the compiled
+        forward (compiled here, at its warm-up run, or loaded): compiled pieces + CUDA graphs."""
         max_blocks = -(-self.max_model_len // self.cache_config.block_size)
         sets = [DecodeGraphs(DEFAULT_BUCKETS, max_blocks, self.device)]
         spec = self.speculative
@@ -181,7 +182,7 @@ class ModelRunner:
         graphs = StepGraphs(sets)
         try:
             with torch.inference_mode():
-                graphs.capture(self.model)
+                graphs.capture(self.forward_fn)
                 if self.drafter is not None:
                     self.drafter.capture_graphs(max_blocks)
         except Exception as e:  # noqa: BLE001 - eager mode still works

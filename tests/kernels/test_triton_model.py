@@ -65,6 +65,28 @@ def test_mixed_batch_on_triton_ops(tiny_model_dir, monkeypatch):
                                atol=MODEL_TOL, rtol=MODEL_TOL)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_compiled_model_on_triton_ops_matches_eager(kind, tiny_model_dir, tmp_path, monkeypatch):
+    """--compilation-level 2 on the Triton ops (a GPU's model): each kernel is one opaque node of the graph
+    (`torch.ops.rivulet_triton.*`, which the RoPE + KV-write pass rewrites in every layer), and the compiled
+    forward gives the eager forward's logits over prefill chunks and decodes (one-token and multi-token graphs)."""
+    from rivulet.compilation import CompiledForward
+
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_model_dir(kind)
+    _use_triton(monkeypatch)
+    r = make_runner(path, num_blocks=32)
+    r.cuda_graphs = None  # on a GPU: the compiled forward itself, not graphs of the eager one
+    ids = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    blocks = [3, 9, 1, 20]
+    want = teacher_forced_logits(r, ids, [6, 5], blocks)
+    r.forward_fn = compiled = CompiledForward(r.model, cache=False, passes=("rope_kv_write",))
+    got = teacher_forced_logits(r, ids, [6, 5], blocks)
+    torch.testing.assert_close(got, want, atol=MODEL_TOL, rtol=MODEL_TOL)
+    assert compiled.compiled == {"one-token", "multi-token"} and compiled.fallbacks == 0
+    assert compiled.fusions == {"rope_kv_write": 2 * len(r.attn_layers)}  # every layer, in both graphs
+
+
 def test_decode_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
     """A decode step copied into a larger bucket's static buffers (padding rows: slot -1, context
     of 1) gives the same hidden states as the step alone; the padding writes no KV entry."""
@@ -171,3 +193,36 @@ def test_cuda_graphs_of_verify_steps_and_draft_passes_give_eager_tokens(tiny_mod
         llm.shutdown()
     assert outs[False] == outs[True]
     assert replays.get(4, 0) > 0 and replays.get(1, 0) > 0, replays
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs exist on CUDA only; compiling over the Triton ops is "
+                                                  "tested above on every device")
+def test_cuda_graphs_hold_the_compiled_forward(tiny_model_dir, tmp_path, monkeypatch):
+    """--compilation-level 2 on a GPU, compiled pieces + CUDA graphs: decode steps replay graphs captured over the
+    compiled forward (compiled at the capture's warm-up, with the fusion pass), and the greedy tokens equal an
+    eager level-0 run's."""
+    from rivulet import LLM, SamplingParams
+
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_model_dir("llama")
+    replays = [0]
+    replay = DecodeGraphs.replay
+
+    def counted(self, *a):
+        replays[0] += 1
+        return replay(self, *a)
+    monkeypatch.setattr(DecodeGraphs, "replay", counted)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eager = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    eager.shutdown()
+    llm = LLM(model=str(path), dtype="float32", compilation_level=2, max_model_len=128)
+    runner = llm.engine.core.executor.runner
+    assert runner.cuda_graphs is not None, runner.cuda_graph_error
+    compiled = runner.forward_fn
+    assert compiled.compiled == {"one-token", "multi-token"}  # at the capture's warm-up
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert replays[0] > 0 and compiled.fallbacks == 0
+    assert compiled.fusions["rope_kv_write"] > 0
+    llm.shutdown()

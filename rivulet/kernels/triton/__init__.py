@@ -3,7 +3,7 @@
 Each wrapper takes and returns what its PyTorch reference in `rivulet.kernels` does and is tested
 against it (on CPU under ``TRITON_INTERPRET=1``, in float32: the interpreter computes bfloat16
 wrongly). Nothing here is imported unless the platform asks for the "triton" backend (see
-`rivulet.kernels.ops`).
+`rivulet.kernels.ops`). The model's ops are also dispatcher ops for `torch.compile` (`library.py`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rivulet.kernels.triton.library import graph_op
 
 
 @triton.jit
@@ -38,11 +39,17 @@ def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     return out.view(*x.shape[:-1], d)
 
 
+def _half_like(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@graph_op("silu_and_mul", _half_like)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Same as `silu_and_mul_ref`: [..., 2d] -> [..., d]."""
     return _act_and_mul(x, gelu=False)
 
 
+@graph_op("gelu_tanh_and_mul", _half_like)
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Same as `gelu_tanh_and_mul_ref`: [..., 2d] -> [..., d]."""
     return _act_and_mul(x, gelu=True)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from rivulet.kernels.attention import AttentionMetadata
+from rivulet.kernels.triton.library import graph_op
 
 _LOG2E = 1.4426950408889634
 
@@ -146,14 +147,13 @@ def _merge_segments_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _num_segments(meta: AttentionMetadata, num_kv_heads: int) -> int:
+def _num_segments(num_tokens: int, num_seqs: int, num_kv_heads: int) -> int:
     """Split the keys only for decode-only steps that give the GPU too few programs otherwise.
 
     Depends on shapes only, so a CUDA-graph bucket always gets the same answer."""
-    if meta.slot_mapping.shape[0] != meta.seq_lens.shape[0]:  # not one query token per sequence
+    if num_tokens != num_seqs:  # not one query token per sequence
         return 1
-    programs = meta.seq_lens.shape[0] * num_kv_heads
-    return 16 if programs < 128 else 1
+    return 16 if num_seqs * num_kv_heads < 128 else 1
 
 
 def paged_attention(
@@ -169,6 +169,17 @@ def paged_attention(
     cached context (GQA, optional sliding window and score cap) -> [T, Hq, D].
 
     `num_segments` (a power of 2) overrides the split-K choice for decode-only batches; tests use it."""
+    return _attention(query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                      sliding_window or 0, softcap, num_segments or 0)
+
+
+@graph_op("paged_attention", lambda query, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+          softcap, num_segments: query.new_empty(query.shape))
+def _attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, scale: float, sliding_window: int, softcap: float,
+               num_segments: int) -> torch.Tensor:
+    """`paged_attention` on the metadata's tensors (an op takes no dataclass); a window or a segment
+    count of 0: none given."""
     if query.stride(-1) != 1:
         query = query.contiguous()
     t, hq, d = query.shape
@@ -178,8 +189,8 @@ def paged_attention(
     if kv_cache.stride(-1) != 1:
         raise ValueError("the KV cache must have unit stride along head_dim")
     group = hq // hk
-    out = torch.empty_like(query)
-    num_seqs = meta.seq_lens.shape[0]
+    out = query.new_empty(query.shape)
+    num_seqs = seq_lens.shape[0]
     if t == 0:
         return out
     decode_only = t == num_seqs  # every sequence has at least one query token
@@ -189,7 +200,7 @@ def paged_attention(
     else:  # 8 warps hold a 64 x 128 float32 accumulator without spilling registers
         block_m, tile_n, warps = max(32 if fp32 else 64, triton.next_power_of_2(group)), 32 if fp32 else 64, 8
     block_q = block_m // group
-    segments = num_segments if num_segments is not None else _num_segments(meta, hk)
+    segments = num_segments or _num_segments(t, num_seqs, hk)
     if segments > 1 and not decode_only:
         raise ValueError("split-K attention is for decode-only batches")
     d_pad = max(16, triton.next_power_of_2(d))
@@ -202,12 +213,12 @@ def paged_attention(
     grid = (t // block_q + num_seqs, hk, segments)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, seg_acc, seg_ml,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_seqs, scale * _LOG2E, softcap * _LOG2E, sliding_window or 0, block_size,
+        block_tables, seq_lens, query_start_loc,
+        num_seqs, scale * _LOG2E, softcap * _LOG2E, sliding_window, block_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        SLIDING=sliding_window is not None, SOFTCAP=bool(softcap), NUM_SEGMENTS=segments,
+        SLIDING=sliding_window > 0, SOFTCAP=bool(softcap), NUM_SEGMENTS=segments,
         DOT_PRECISION="ieee" if fp32 else "tf32", num_warps=warps,
     )
     if segments > 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rivulet.kernels.triton.library import graph_op
 
 
 @triton.jit
@@ -34,6 +35,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+@graph_op("write_kv_cache", lambda key, value, kv_cache, slot_mapping: None, mutates_args=("kv_cache",))
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Same as `write_kv_cache_ref` (plus: slots < 0 are skipped)."""
     if not kv_cache.is_contiguous():

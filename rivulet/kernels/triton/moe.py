@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from rivulet.kernels.triton.activation import silu_and_mul
+from rivulet.kernels.triton.library import graph_op
 
 
 # ---- routing ----
@@ -47,6 +48,9 @@ def _topk_softmax_kernel(
     tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
+@graph_op("topk_routing", lambda router_logits, top_k, renormalize: (
+    router_logits.new_empty((router_logits.shape[0], top_k), dtype=torch.float32),
+    router_logits.new_empty((router_logits.shape[0], top_k), dtype=torch.int64)))
 def topk_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Same as `topk_routing_ref`: (weights [T, k] float32, expert ids [T, k] int64)."""
     t, e = router_logits.shape
@@ -141,6 +145,7 @@ def _moe_gemm(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4 if block_m <= 16 else 8)
 
 
+@graph_op("fused_moe", lambda x, w13, w2, topk_weights, topk_ids: x.new_empty(x.shape))
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rivulet.kernels.triton.library import graph_op
 
 
 @triton.jit
@@ -50,11 +51,17 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
+def _normed_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@graph_op("rms_norm", lambda x, weight, eps: _normed_like(x, weight))
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same as `rms_norm_ref`: x * rsqrt(mean(x^2) + eps) * weight over the last dimension."""
     return _launch(x, None, weight, eps)[0]
 
 
+@graph_op("fused_add_rms_norm", lambda x, residual, weight, eps: (_normed_like(x, weight), x.new_empty(x.shape)))
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

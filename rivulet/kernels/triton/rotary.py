@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rivulet.kernels.triton.library import graph_op
 
 
 @triton.jit
@@ -72,6 +73,8 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@graph_op("apply_rotary", lambda positions, q, k, cos_sin_cache, interleaved=False: (q.new_empty(q.shape),
+                                                                                  k.new_empty(k.shape)))
 def apply_rotary(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -122,6 +125,8 @@ def _rotary_write_kv_kernel(
         tl.store(row + value_offset + cols, v.to(kv_ptr.dtype.element_ty), mask=ok)
 
 
+@graph_op("rotary_write_kv_cache", lambda positions, q, k, value, cos_sin_cache, interleaved, kv_cache, slot_mapping:
+          q.new_empty(q.shape), mutates_args=("kv_cache",))
 def rotary_write_kv_cache(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, cos_sin_cache: torch.Tensor,
     interleaved: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
