@@ -335,6 +335,7 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         if graphs is not None:
             res["graphs_tok_s"], graph_tokens = decode_with_runner(runner, prompt, args.decode_steps, device)
             res["graph_tokens_equal_eager"] = graph_tokens == eager_tokens
+        state["b1"] = (prompt, eager_tokens)  # the compiled step decodes the same prompt
         kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * dtype.itemsize
         read = out.data.get("rivulet_build", {}).get("weight_bytes_read_per_token", 0)
         res["bytes_per_step"] = read + kv_per_token * (args.input_len + args.decode_steps // 2)
@@ -483,6 +484,34 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         p = prompts(args.long_requests, args.long_input_len)
         return _generate(state["llm"], p, args.long_output_len)
 
+    def compiled() -> dict[str, Any]:
+        """--compilation-level 2 on the same engine: compile both graphs (one token, more) at the warm-ups of a
+        new CUDA-graph capture over the compiled forward (compiled pieces + CUDA graphs), then decode_b1's
+        prompt and the throughput run again. Compare with decode_b1.graphs_tok_s and throughput."""
+        from rivulet.compilation import CompiledForward
+
+        llm = state["llm"]
+        runner = _runner(llm)
+        t0 = time.perf_counter()
+        runner.forward_fn = fn = CompiledForward(runner.model, passes=("rope_kv_write",))
+        if device.type == "cuda":
+            runner._capture_cuda_graphs()
+        else:  # the dry run: the compiled forward itself compiles at its first step
+            prompt = state.get("b1", (prompts(1, 8)[0],))[0]
+            decode_with_runner(runner, prompt, 2, device)
+        res: dict[str, Any] = {"compile_and_capture_s": round(time.perf_counter() - t0, 2),
+                               "compiled": sorted(fn.compiled), "loaded": sorted(fn.loaded), "fusions": fn.fusions,
+                               "cuda_graphs": runner.cuda_graphs is not None,
+                               "cuda_graph_error": runner.cuda_graph_error}
+        if "b1" in state:
+            prompt, eager_tokens = state["b1"]
+            res["graphs_tok_s"], tokens = decode_with_runner(runner, prompt, args.decode_steps, device)
+            res["tokens_equal_eager"] = tokens == eager_tokens  # bf16: inductor's glue may round differently
+        if "short_prompts" in state:
+            res["throughput"] = _generate(llm, state["short_prompts"], args.output_len)
+        res["fallbacks"] = fn.fallbacks
+        return res
+
     _step(out, "hf_build", deadline, 30, hf_build)
     if not _step(out, "rivulet_build", deadline, 60, rivulet_build):
         return
@@ -508,6 +537,8 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
             est = 2 * short["elapsed_s"] * (args.long_requests * (args.long_input_len + args.long_output_len)) / \
                 (args.num_prompts * (args.input_len + args.output_len))
         _step(out, "throughput_long", deadline, est + 10, throughput_long)
+    if "llm" in state:  # compiling on CUDA: last, its compile time is unknown
+        _step(out, "compiled", deadline, 90, compiled)
     llm = state.pop("llm", None)
     if llm is not None:
         llm.shutdown()

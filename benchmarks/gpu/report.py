@@ -70,7 +70,7 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
              "| step | status |", "|---|---|"]
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "decode_profile",
                  "generate_b1", "throughput", "throughput_sync", "hf_generate", "structured", "spec_decode",
-                 "throughput_long"):
+                 "throughput_long", "compiled"):
         lines.append(f"| {step} | {_status(m.get(step))} |")
     lines.append("")
     b = m.get("rivulet_build", {})
@@ -92,10 +92,17 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
                   f"Bandwidth bound: {_f(bound)} tok/s = copy bandwidth / {_f(d.get('bytes_per_step', 0) / 1e9, 2)} GB "
                   "read per token (weights + KV).", "",
                   "| mode | tok/s | ms/token | % of bound |", "|---|---|---|---|"]
-        for mode in ("eager", "graphs"):
-            v = d.get(f"{mode}_tok_s")
+        co = m.get("compiled", {})
+        for mode, v in (("eager", d.get("eager_tok_s")), ("graphs", d.get("graphs_tok_s")),
+                        ("compiled -O2 + graphs", co.get("graphs_tok_s") if co.get("status") == "ok" else None)):
             if v:
                 lines.append(f"| {mode} | {_f(v)} | {_f(1e3 / v, 2)} | {_f(100 * v / bound if bound else None)} |")
+        if co.get("status") == "ok":
+            lines += ["", f"Compiled (-O2): graphs {co.get('compiled')} compiled, {co.get('loaded')} loaded, and CUDA "
+                      f"graphs {'captured' if co.get('cuda_graphs') else 'NOT captured'} in "
+                      f"{_f(co.get('compile_and_capture_s'))} s; fusions {co.get('fusions')}; fallbacks "
+                      f"{co.get('fallbacks')}; batch-1 tokens equal eager: {_f(co.get('tokens_equal_eager'))}."
+                      + (f" Capture failed: {co['cuda_graph_error'][:300]}" if co.get("cuda_graph_error") else "")]
         if "graph_tokens_equal_eager" in d:
             lines.append("")
             lines.append(f"Greedy tokens with graphs identical to eager: {_f(d['graph_tokens_equal_eager'])}.")
@@ -133,6 +140,8 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
                        ("throughput_long", "Rivulet LLM.generate (long)")):
         if m.get(key, {}).get("status") == "ok":
             rows.append((label, m[key]))
+    if m.get("compiled", {}).get("status") == "ok" and "throughput" in m["compiled"]:
+        rows.append(("Rivulet LLM.generate (-O2 + graphs)", m["compiled"]["throughput"]))
     hf = m.get("hf_generate", {})
     if hf.get("status") == "ok":
         rows += [("transformers generate", hf["batch"]), ("transformers generate", hf["b1"])]

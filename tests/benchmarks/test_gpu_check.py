@@ -81,7 +81,12 @@ def test_report_renders_every_part():
                           for name, tps, acc, tpv, lens, up in (("plain", 200.0, None, None, [1], None),
                                                                 ("ngram", 500.0, 0.8, 4.2, [1, 5], 2.5),
                                                                 ("draft", 300.0, 0.5, 2.5, [1, 4], 1.5))}},
-                      "throughput_long": {"status": "skipped", "reason": "time budget: 3s left"}},
+                      "throughput_long": {"status": "skipped", "reason": "time budget: 3s left"},
+                      "compiled": {"status": "ok", "compiled": ["multi-token", "one-token"], "loaded": [],
+                                   "cuda_graphs": True, "compile_and_capture_s": 40.0, "fusions": {"rope_kv_write": 64},
+                                   "fallbacks": 0, "graphs_tok_s": 250.0, "tokens_equal_eager": True,
+                                   "throughput": {"requests": 256, "input_len": 128, "output_len": 128,
+                                                  "elapsed_s": 4.0, "output_tok_s": 7000.0, "total_tok_s": 14000.0}}},
             "pytest": {"status": "skipped", "reason": "pytest is not installed"},
         },
     }
@@ -93,7 +98,9 @@ def test_report_renders_every_part():
                  "5.000 ms per token, of which kernels 4.500 ms: host share 10%",
                  "| Rivulet LLM.generate (sync loop) | 256 x 128/128 | 5000.0 |",
                  "CUDA out of memory", "skipped (time budget: 3s left)", "pytest is not installed",
-                 "| ngram | 500.0 | 2.50 | 0.80 | 4.20 | 9000.0 | 1.00 | [1, 5] | yes |"):
+                 "| ngram | 500.0 | 2.50 | 0.80 | 4.20 | 9000.0 | 1.00 | [1, 5] | yes |",
+                 "| compiled -O2 + graphs | 250.0 | 4.00 | 93.8 |", "CUDA graphs captured in 40.0 s",
+                 "| Rivulet LLM.generate (-O2 + graphs) | 256 x 128/128 | 7000.0 |"):
         assert want in md, want
     assert render({}).startswith("# Rivulet GPU check")  # nothing run: still a table
 
@@ -117,7 +124,7 @@ def test_budget_skips_sections_and_still_writes_the_table(tmp_path):
 
 def test_dry_run_end_to_end(tmp_path):
     p = _run("--dry-run", "--out", str(tmp_path), "--sections", "ceilings,kernels,model",
-             "--kernels", "rms_norm,write_kv,moe")
+             "--kernels", "rms_norm,write_kv,moe", env_extra={"RIVULET_CACHE_DIR": str(tmp_path / "cache")})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     secs = results["sections"]
@@ -129,8 +136,12 @@ def test_dry_run_end_to_end(tmp_path):
     model = secs["model"]
     assert model["status"] == "ok"
     for step in ("hf_build", "rivulet_build", "copy_weights", "logits_vs_hf", "decode_b1", "decode_profile",
-                 "generate_b1", "throughput", "throughput_sync", "hf_generate", "spec_decode", "throughput_long"):
+                 "generate_b1", "throughput", "throughput_sync", "hf_generate", "spec_decode", "throughput_long",
+                 "compiled"):
         assert model[step]["status"] == "ok", (step, model[step])
+    compiled = model["compiled"]  # float32: the compiled forward decodes the eager tokens, every step a graph
+    assert compiled["tokens_equal_eager"] and compiled["fallbacks"] == 0, compiled
+    assert compiled["compiled"] == ["multi-token", "one-token"] and compiled["throughput"]["output_tok_s"] > 0
     prof = model["decode_profile"]  # batch 1 and the throughput run's batch, each with its busiest ops
     assert prof["b1"]["wall_ms_per_step"] > 0 and prof["b1"]["top"] and prof["b4"]["batch"] == 4
     assert prof["engine_b1"]["wall_ms_per_token"] > 0
