@@ -13,7 +13,8 @@ dynamic, the weights static, the metadata sizes unbacked). A model with weight-o
 which read their compact copies up to R rows and the original weights beyond, gets three: one token,
 2 to R, and more than R, each token range declared to Dynamo, so that the row test is decided once per
 graph (one multi-token graph would be specialized on the first step's side of it and recompiled, tens of
-seconds in the middle of serving, at the first step on the other side). Each is compiled ahead of time
+seconds in the middle of serving, at the first step on the other side). Sequence parallelism over n ranks
+splits at n the same way (a rank's token shard is one row up to n tokens). Each is compiled ahead of time
 (`torch.compile(...).aot_compile`) at the first step of its kind and saved, Dynamo's guards and
 inductor's code together, under ~/.cache/rivulet/compile/aot (or $RIVULET_CACHE_DIR/compile/aot),
 named by a fingerprint of everything the trace depends on (torch, the Rivulet sources, the CPU, the
@@ -134,13 +135,24 @@ class StepKind(NamedTuple):
 
 
 def step_kinds(model: nn.Module) -> list[StepKind]:
-    """One token, and more; with weight-only linears (compact copies up to R rows) more is split at R."""
+    """One token, and more; more is split where a graph would otherwise be specialized on one side: at R with
+    weight-only linears (compact copies up to R rows), and at the tensor-parallel size n with sequence
+    parallelism (up to n tokens a rank's shard is one row)."""
+    bounds = {1}
     rows = min((m.quant.max_rows for m in model.modules() if isinstance(getattr(m, "quant", None), WeightOnly)),
                default=None)
-    if rows is None or rows < 2:
-        return [StepKind("one-token", 1, 1), StepKind("multi-token", 2, None)]
-    return [StepKind("one-token", 1, 1), StepKind(f"2-{rows}-token", 2, rows),
-            StepKind(f"multi-token-over-{rows}", rows + 1, None)]
+    if rows is not None and rows >= 2:
+        bounds.add(rows)
+    sp = max((m.parallel.tp_size for m in model.modules() if getattr(getattr(m, "parallel", None), "sp", False)),
+             default=1)
+    if sp >= 2:
+        bounds.add(sp)
+    ends = sorted(bounds)
+    kinds = [StepKind("one-token", 1, 1)]
+    kinds += [StepKind(f"{lo + 1}-{hi}-token", lo + 1, hi) for lo, hi in zip(ends, ends[1:])]
+    last = ends[-1]
+    kinds.append(StepKind("multi-token" if last == 1 else f"multi-token-over-{last}", last + 1, None))
+    return kinds
 
 
 def model_fingerprint(model: nn.Module, passes: tuple[str, ...] = ()) -> str:

@@ -5,6 +5,8 @@ from rivulet.distributed.parallel_state import (
     get_tp_size,
     init_distributed,
     set_parallel_state,
+)
+from rivulet.distributed.collectives import (
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
     all_to_all,

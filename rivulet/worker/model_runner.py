@@ -95,12 +95,13 @@ class ModelRunner:
             self.use_cuda_graphs = self.use_decode_program = False  # the adapters' segments change from step to step
         self.forward_fn = self.model  # the compiled forward at --compilation-level 1 and 2
         if model_config.compilation_level > 0:
-            if get_parallel_state().world_size > 1:
-                raise RivuletError("--compilation-level 1 and 2 run on one rank only (for now); use 0 with parallelism")
+            ps = get_parallel_state()  # tensor and sequence parallelism (`check_parallel` refuses PP and EP)
             from rivulet.compilation import CompiledForward, parse_passes  # inductor only when compiling
 
             passes = parse_passes(model_config.compilation_passes) if model_config.compilation_level == 2 else ()
-            self.forward_fn = CompiledForward(self.model, passes=passes)
+            # with several ranks each compiles its own graphs in-process (no saved graphs: they would name this
+            # process's collectives)
+            self.forward_fn = CompiledForward(self.model, cache=ps.world_size == 1, passes=passes)
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
         self.drafter = None  # speculative decoding's draft model: proposes after each sampling step
         # --task embed: each request's hidden states pooled into one vector (its params by request id)

@@ -51,6 +51,58 @@ def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeyp
     assert len(list((tmp_path / "compile" / "aot").glob(f"{compiled.fingerprint}-*.bin"))) == 2
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_compiled_tensor_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
+    """-O2 over two tensor-parallel ranks (with sequence parallelism: reduce-scatters and all-gathers of token
+    shards): each rank compiles its graph with the collectives as opaque ops (`torch.ops.rivulet_dist.*`), and
+    the greedy tokens, and every collective's calls and bytes (counted as the ops run), equal the eager engine's.
+    Every step has 3 tokens or more (the prompts, then 3 decodes), so each rank compiles one graph. (The default
+    cache folder: rank 1's process would build the C++ kernels again in a new one.)"""
+    path, _ = tiny_model_dir("llama")
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4, tensor_parallel_size=2,
+              enable_sequence_parallel=sp)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    runs = {}
+    for level in (0, 2):
+        llm = LLM(str(path), compilation_level=level, **kw)
+        ex = llm.engine.core.executor
+        ex.collect("reset")
+        runs[level] = (_tokens(llm, prompts, params), ex.collect("comm"))
+        compiled = ex.worker.runner.forward_fn  # rank 0's, in this process
+        llm.shutdown()
+    assert runs[2] == runs[0]
+    assert compiled.compiled == {"multi-token-over-2" if sp else "multi-token"} and compiled.fallbacks == 0
+    assert compiled.fusions["rope_kv_write"] > 0
+    kinds = set().union(*runs[0][1])
+    assert kinds == ({"reduce_scatter", "all_gather"} if sp else {"all_reduce", "all_gather"})
+    assert compiled.cache_dir is None  # ranks compile in-process and save nothing
+
+
+def test_step_kinds_split_where_a_graph_would_be_specialized():
+    """Sequence parallelism over n ranks: steps of 2..n tokens (a one-row shard) get their own graph."""
+    from types import SimpleNamespace
+
+    from rivulet.compilation.compiler import step_kinds
+
+    model = torch.nn.Module()
+    model.layer = torch.nn.Module()
+    assert [tuple(k) for k in step_kinds(model)] == [("one-token", 1, 1), ("multi-token", 2, None)]
+    model.layer.parallel = SimpleNamespace(sp=False, tp_size=4)
+    assert len(step_kinds(model)) == 2
+    model.layer.parallel = SimpleNamespace(sp=True, tp_size=4)
+    assert [tuple(k) for k in step_kinds(model)] == [("one-token", 1, 1), ("2-4-token", 2, 4),
+                                                      ("multi-token-over-4", 5, None)]
+
+
+def test_compiling_refuses_pipeline_and_expert_parallelism(tiny_model_dir):
+    path, _ = tiny_model_dir("mixtral")
+    for kw in (dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+        with pytest.raises(RivuletError, match="not with pipeline or expert parallelism"):
+            LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, **kw)
+
+
 @needs_ext
 def test_weight_only_models_get_a_graph_per_side_of_the_row_test(tiny_model_dir, tmp_path, monkeypatch):
     """int4 linears read their compact copies up to R rows and the original weights beyond: the multi-token
