@@ -8,7 +8,7 @@ torch.distributed. With one rank every collective is the identity.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,16 +25,23 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _dispatch(name: str, impl: Callable[..., torch.Tensor], x: torch.Tensor, state: ParallelState,
+              *args: Any) -> torch.Tensor:
+    """`x` itself with one rank; `impl(x, state, *args)` eagerly; the op `rivulet_dist::<name>` (below) while
+    Dynamo traces."""
+    if state.tp_size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.rivulet_dist, name)(x, state.op_name, *args)
+    return impl(x, state, *args)
+
+
 def tensor_parallel_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Sum `x` over the tensor-parallel group (in place when there is more than one rank and the model runs
     eagerly; callers use the returned tensor).
 
     Layers pass the state they were built with, so engines of different sizes can share a process."""
-    if state.tp_size == 1:
-        return x
-    if torch.compiler.is_compiling():
-        return torch.ops.rivulet_dist.all_reduce(x, state.op_name)
-    return _all_reduce(x, state)
+    return _dispatch("all_reduce", _all_reduce, x, state)
 
 
 def _all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -52,11 +59,7 @@ def _all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 def tensor_parallel_all_gather(x: torch.Tensor, state: ParallelState, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's `x` along `dim`, in rank order."""
-    if state.tp_size == 1:
-        return x
-    if torch.compiler.is_compiling():
-        return torch.ops.rivulet_dist.all_gather(x, state.op_name, dim)
-    return _all_gather(x, state, dim)
+    return _dispatch("all_gather", _all_gather, x, state, dim)
 
 
 def _all_gather(x: torch.Tensor, state: ParallelState, dim: int) -> torch.Tensor:
@@ -77,11 +80,7 @@ def padded_tokens(num_tokens: int, state: ParallelState) -> int:
 def tensor_parallel_reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Sum `x` [T, ...] over the group and keep this rank's token shard [T_pad / tp, ...] (rows
     padded with zeros to a multiple of tp first)."""
-    if state.tp_size == 1:
-        return x
-    if torch.compiler.is_compiling():
-        return torch.ops.rivulet_dist.reduce_scatter(x, state.op_name)
-    return _reduce_scatter(x, state)
+    return _dispatch("reduce_scatter", _reduce_scatter, x, state)
 
 
 def _reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -102,11 +101,7 @@ def _reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 def sequence_parallel_all_gather(x: torch.Tensor, state: ParallelState, num_tokens: int) -> torch.Tensor:
     """Token shards [T_pad / tp, ...] back to the first `num_tokens` rows of the whole [T, ...]."""
-    if state.tp_size == 1:
-        return x
-    if torch.compiler.is_compiling():
-        return torch.ops.rivulet_dist.sp_all_gather(x, state.op_name, num_tokens)
-    return _sp_all_gather(x, state, num_tokens)
+    return _dispatch("sp_all_gather", _sp_all_gather, x, state, num_tokens)
 
 
 def _sp_all_gather(x: torch.Tensor, state: ParallelState, num_tokens: int) -> torch.Tensor:
