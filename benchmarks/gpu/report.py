@@ -93,8 +93,9 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
                   "read per token (weights + KV).", "",
                   "| mode | tok/s | ms/token | % of bound |", "|---|---|---|---|"]
         co = m.get("compiled", {})
+        compiled_mode = "compiled -O2 + graphs" if co.get("cuda_graphs") else "compiled -O2, no graphs"
         for mode, v in (("eager", d.get("eager_tok_s")), ("graphs", d.get("graphs_tok_s")),
-                        ("compiled -O2 + graphs", co.get("graphs_tok_s") if co.get("status") == "ok" else None)):
+                        (compiled_mode, co.get("graphs_tok_s") if co.get("status") == "ok" else None)):
             if v:
                 lines.append(f"| {mode} | {_f(v)} | {_f(1e3 / v, 2)} | {_f(100 * v / bound if bound else None)} |")
         if co.get("status") == "ok":
@@ -141,7 +142,8 @@ def _model(m: dict[str, Any], c: dict[str, Any]) -> list[str]:
         if m.get(key, {}).get("status") == "ok":
             rows.append((label, m[key]))
     if m.get("compiled", {}).get("status") == "ok" and "throughput" in m["compiled"]:
-        rows.append(("Rivulet LLM.generate (-O2 + graphs)", m["compiled"]["throughput"]))
+        rows.append((f"Rivulet LLM.generate (-O2{' + graphs' if m['compiled'].get('cuda_graphs') else ''})",
+                     m["compiled"]["throughput"]))
     hf = m.get("hf_generate", {})
     if hf.get("status") == "ok":
         rows += [("transformers generate", hf["batch"]), ("transformers generate", hf["b1"])]

@@ -35,6 +35,7 @@ saved graphs' fingerprint.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import io
 import logging
 import os
@@ -52,6 +53,7 @@ from torch import nn
 from rivulet.compilation.passes import FusionPasses, inductor_pass
 from rivulet.kernels.attention import AttentionMetadata
 from rivulet.layers.quantization import WeightOnly
+from rivulet.platforms import current_platform
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +95,22 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
 @lru_cache(maxsize=1)
 def _environment_digest() -> str:
     """torch, Python, the CPU's flags, the GPU (inductor's code for it is built for its architecture) and every
     Rivulet source file: what a saved graph was made with."""
     h = hashlib.sha256(f"{torch.__version__}|{sys.version}".encode())
     h.update(_cpu_flags().encode())
-    if torch.cuda.is_available():
+    if current_platform().name == "cuda":  # inductor's and the ops' Triton code is built for this GPU
         h.update(f"{torch.cuda.get_device_name()}|{torch.cuda.get_device_capability()}".encode())
+        h.update(_package_version("triton").encode())
     package = Path(__file__).resolve().parents[1]
     for f in sorted(package.rglob("*")):
         if f.suffix in (".py", ".cpp", ".h"):

@@ -28,11 +28,12 @@ def _nbytes(x: torch.Tensor) -> int:
 def _dispatch(name: str, impl: Callable[..., torch.Tensor], x: torch.Tensor, state: ParallelState,
               *args: Any) -> torch.Tensor:
     """`x` itself with one rank; `impl(x, state, *args)` eagerly; the op `rivulet_dist::<name>` (below) while
-    Dynamo traces."""
+    Dynamo traces (an op that returns nothing reduced `x` in place)."""
     if state.tp_size == 1:
         return x
     if torch.compiler.is_compiling():
-        return getattr(torch.ops.rivulet_dist, name)(x, state.op_name, *args)
+        out = getattr(torch.ops.rivulet_dist, name)(x, state.op_name, *args)
+        return x if out is None else out
     return impl(x, state, *args)
 
 
@@ -184,17 +185,18 @@ def broadcast_bytes(data: bytes | None, src: int) -> bytes:
 # ---- the collectives as dispatcher ops, for torch.compile ----
 # A compiled model holds each collective as one opaque node, called with the `op_name` of the state its layer
 # was built with (the op finds the state by it); the functions above call them only while Dynamo traces, so
-# eager steps skip the dispatcher. Each op returns a new tensor (the all-reduce reduces a copy of its input).
+# eager steps skip the dispatcher. The all-reduce sums its input in place (inductor keeps it in place: no
+# copy of the activations); the others return new tensors.
 # Expert parallelism's all-to-all and the pipeline's sends are not ops: those modes run eagerly.
 
-@torch.library.custom_op("rivulet_dist::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _all_reduce(x.clone(memory_format=torch.contiguous_format), state_named(group))
+@torch.library.custom_op("rivulet_dist::all_reduce", mutates_args=("x",))
+def _all_reduce_op(x: torch.Tensor, group: str) -> None:
+    _all_reduce(x, state_named(group))
 
 
 @_all_reduce_op.register_fake
 def _(x, group):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return None
 
 
 @torch.library.custom_op("rivulet_dist::all_gather", mutates_args=())

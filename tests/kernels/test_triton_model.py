@@ -87,6 +87,52 @@ def test_compiled_model_on_triton_ops_matches_eager(kind, tiny_model_dir, tmp_pa
     assert compiled.fusions == {"rope_kv_write": 2 * len(r.attn_layers)}  # every layer, in both graphs
 
 
+def test_triton_graph_ops_have_faithful_fake_implementations():
+    """Every `rivulet_triton` op against its fake implementation (shapes, dtypes, strides, declared mutations):
+    a bf16 input with a float32 norm weight (the promoted output), zero tokens, strided q and k, the KV writes."""
+    import rivulet.kernels.triton.activation  # noqa: F401 - each module registers its ops
+    import rivulet.kernels.triton.attention  # noqa: F401
+    import rivulet.kernels.triton.kv_cache  # noqa: F401
+    import rivulet.kernels.triton.moe  # noqa: F401
+    import rivulet.kernels.triton.norm  # noqa: F401
+    import rivulet.kernels.triton.rotary  # noqa: F401
+
+    ops = torch.ops.rivulet_triton
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+    def ints(values, dtype=torch.int32):
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    t, hq, hk, d, bs, nb = 5, 4, 2, 16, 4, 6
+    x, w = rand(t, 32), rand(32)
+    cache = rand(2, nb, bs, hk, d)
+    qk = rand(t, hq + hk, d)  # q and k as strided views of one projection
+    q, k = qk[:, :hq], qk[:, hq:]
+    slots = ints([0, 5, -1, 2, 23], torch.int64)
+    cases = [
+        (ops.rms_norm.default, (x, w, 1e-6)),
+        (ops.rms_norm.default, (x.to(torch.bfloat16), w, 1e-6)),  # float32 out
+        (ops.rms_norm.default, (rand(0, 32), w, 1e-6)),
+        (ops.fused_add_rms_norm.default, (x, x.clone(), w, 1e-6)),
+        (ops.silu_and_mul.default, (x,)),
+        (ops.gelu_tanh_and_mul.default, (rand(0, 32),)),
+        (ops.apply_rotary.default, (torch.arange(t, device=DEVICE), q, k, rand(64, d), False)),
+        (ops.write_kv_cache.default, (k, k.clone(), cache, slots)),
+        (ops.rotary_write_kv_cache.default, (torch.arange(t, device=DEVICE), q, k, k.clone(), rand(64, d), False,
+                                             cache, slots)),
+        (ops.paged_attention.default, (rand(t, hq, d), cache, ints([[0, 1], [2, 3]]), ints([5, 8]), ints([0, 2, 5]),
+                                       0.25, 0, 0.0, 0)),
+        (ops.topk_routing.default, (rand(t, 4), 2, True)),
+        (ops.fused_moe.default, (x[:, :8].contiguous(), rand(4, 2 * 6, 8), rand(4, 8, 6), rand(t, 2).abs(),
+                                 ints([[0, 1], [1, 2], [3, 0], [2, 3], [1, 0]], torch.int64))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_decode_graph_inputs_pad_harmlessly(tiny_model_dir, triton_backend):
     """A decode step copied into a larger bucket's static buffers (padding rows: slot -1, context
     of 1) gives the same hidden states as the step alone; the padding writes no KV entry."""
