@@ -54,6 +54,9 @@ class FusedMoE(nn.Module):
         is_rep = torch.zeros(num_experts, dtype=torch.bool)
         is_rep[self.replicated] = True
         self.register_buffer("_replicated_mask", is_rep, persistent=False)
+        # written by every forward: Platform.place_module keeps them out of the weights' shared arena (a compiled
+        # graph cannot write an input that shares its storage with inputs of another dtype)
+        self.written_buffers = ("expert_counts", "rank_load", "cross_rows")
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("rank_load", torch.zeros(self.ep_size, dtype=torch.int64), persistent=False)
         self.register_buffer("cross_rows", torch.zeros((), dtype=torch.int64), persistent=False)

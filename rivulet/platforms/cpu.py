@@ -150,12 +150,16 @@ class CpuPlatform(Platform):
         faults cost start-up time (the packed bf16 weights of the default model 1.65 s: fresh 2 MiB
         pages fault in at ~100-120 MB/s in this VM, docs/cpu.md). Parameters that only row lookups
         read stay too (a module's `gathered_params`: the embedding table, unless a tied LM head
-        reads it whole): a lookup touches a few rows."""
+        reads it whole): a lookup touches a few rows. Buffers the forward writes (a module's
+        `written_buffers`, e.g. MoE routing counts) stay too: a compiled graph cannot write an input
+        whose storage it shares with inputs of another dtype (AOTAutograd refuses the aliasing)."""
         stays: dict[int, bool] = {}
         for m in module.modules():
             gathered = (*getattr(m, "gathered_params", ()), *getattr(m, "packed_params", ()))
             for name, p in m.named_parameters(recurse=False):
                 stays[id(p)] = stays.get(id(p), True) and name in gathered
+            for name in getattr(m, "written_buffers", ()):
+                stays[id(getattr(m, name))] = True
         tensors: dict[int, torch.Tensor] = {}
         for t in [*module.parameters(), *module.buffers()]:
             if t.device.type == "cpu" and t.numel() and not t.is_mkldnn and not stays.get(id(t)):

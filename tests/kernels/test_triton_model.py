@@ -65,13 +65,14 @@ def test_mixed_batch_on_triton_ops(tiny_model_dir, monkeypatch):
                                atol=MODEL_TOL, rtol=MODEL_TOL)
 
 
-@pytest.mark.parametrize("kind", ["llama"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
 def test_compiled_model_on_triton_ops_matches_eager(kind, tiny_model_dir, tmp_path, monkeypatch):
     """--compilation-level 2 on the Triton ops (a GPU's model): each kernel is one opaque node of the graph
     (`torch.ops.rivulet_triton.*`, which the RoPE + KV-write pass rewrites in every layer), and the compiled
     forward gives the eager forward's logits over prefill chunks and decodes (one-token and multi-token graphs).
-    (Mixtral passes alone, but once in a full run its compile failed in AOTAutograd, "input mutations on views
-    with different dtypes": left out until that is understood.)"""
+    Mixtral's routing counts are marked dynamic, as an earlier compile of another Mixtral shape in the process
+    leaves them: with the counts in the weights' storage AOTAutograd then refused the multi-token graph ("input
+    mutations on views with different dtypes"), which made this test fail in full runs only."""
     from rivulet.compilation import CompiledForward
 
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
@@ -82,6 +83,10 @@ def test_compiled_model_on_triton_ops_matches_eager(kind, tiny_model_dir, tmp_pa
     ids = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     blocks = [3, 9, 1, 20]
     want = teacher_forced_logits(r, ids, [6, 5], blocks)
+    for m in r.model.modules():
+        for t in (getattr(m, name) for name in getattr(m, "written_buffers", ())):
+            if t.dim():
+                torch._dynamo.mark_dynamic(t, 0)
     r.forward_fn = compiled = CompiledForward(r.model, cache=False, passes=("rope_kv_write",))
     got = teacher_forced_logits(r, ids, [6, 5], blocks)
     torch.testing.assert_close(got, want, atol=MODEL_TOL, rtol=MODEL_TOL)

@@ -131,3 +131,17 @@ def test_place_module_leaves_weights_a_kernel_packed() -> None:
     CpuPlatform().place_module(m)
     assert m.weight.data_ptr() == weight and torch.equal(m.weight, values)
     assert m.bias.data_ptr() != bias and m.bias.data_ptr() % 64 == 0
+
+
+def test_place_module_leaves_the_buffers_a_forward_writes() -> None:
+    """An MoE layer's routing counts (its `written_buffers`) keep their own storage, apart from the weights'
+    arena: a compiled graph that writes them could not take them as views of one storage with float weights."""
+    from rivulet.layers.moe import FusedMoE
+
+    moe = FusedMoE(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, renormalize=True)
+    nn.init.normal_(moe.w13_weight)
+    CpuPlatform().place_module(moe)
+    arena = moe.w13_weight.untyped_storage().data_ptr()
+    assert moe.w2_weight.untyped_storage().data_ptr() == arena and moe._owner.untyped_storage().data_ptr() == arena
+    for name in moe.written_buffers:
+        assert getattr(moe, name).untyped_storage().data_ptr() != arena, name
