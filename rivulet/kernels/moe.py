@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rivulet.kernels.activation import silu_and_mul_ref
+from rivulet.kernels.library import graph_op
 
 
 def topk_routing_ref(
@@ -73,3 +74,15 @@ def fused_moe_ref(
         y = linear(h, w2[e]) * weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y)
     return out
+
+
+def _moe_like(x: torch.Tensor, *args: object) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@graph_op("rivulet_ref", "fused_moe", _moe_like)
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_ref` on stacked weights, as one op in a compiled graph (its loop over the experts that have
+    tokens depends on the data, which Dynamo cannot trace)."""
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -21,7 +21,7 @@ from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.kv_copy import copy_blocks_ref
 from rivulet.kernels.lora import add_lora_ref
-from rivulet.kernels.moe import fused_moe_ref, topk_routing_ref
+from rivulet.kernels.moe import fused_moe, fused_moe_ref, topk_routing_ref
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, fp8_linear_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight, quantize_int8_weight)
@@ -54,7 +54,8 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "rotary_write_kv_cache": {"torch": rotary_write_kv_cache_ref, "cpu": f"{_CPU}:rotary_write_kv_cache",
                               "triton": f"{_TRITON}.rotary:rotary_write_kv_cache"},
     "topk_routing": {"torch": topk_routing_ref, "triton": f"{_TRITON}.moe:topk_routing"},
-    "fused_moe": {"torch": fused_moe_ref, "triton": f"{_TRITON}.moe:fused_moe"},
+    "fused_moe": {"torch": fused_moe, "triton": f"{_TRITON}.moe:fused_moe"},
+    "packed_fused_moe": {"torch": fused_moe_ref, "cpu": f"{_CPU}:packed_fused_moe"},
     "fp8_linear": {"torch": fp8_linear_ref, "triton": f"{_TRITON}.fp8_linear:fp8_linear"},
     "int8_linear": {"torch": int8_linear_ref, "cpu": f"{_CPU}:int8_linear"},
     "int4_linear": {"torch": int4_linear_ref, "cpu": f"{_CPU}:int4_linear"},

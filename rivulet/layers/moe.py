@@ -9,7 +9,6 @@ from torch import nn
 from rivulet.distributed import (all_to_all, get_parallel_state, padded_tokens, sequence_parallel_all_gather,
                                  tensor_parallel_all_reduce, tensor_parallel_reduce_scatter)
 from rivulet.kernels.activation import silu_and_mul_ref
-from rivulet.kernels.moe import fused_moe_ref
 from rivulet.kernels.ops import get_op
 
 
@@ -90,16 +89,18 @@ class FusedMoE(nn.Module):
         else:
             dst.copy_(loaded.narrow(1, r * n, n))
 
-    def pack_experts(self) -> bool:
+    def pack_experts(self, opaque: bool = True) -> bool:
         """Put every local expert's weights in the backend's packed layout for `packed_linear` (the CPU's, for
-        bf16) and drop the stacked copies; False (nothing changed) where the backend has no such layout."""
+        bf16) and drop the stacked copies; False (nothing changed) where the backend has no such layout, or
+        where it is an opaque tensor's (oneDNN's) and `opaque` is False (a model to compile)."""
         pack = get_op("pack_linear_weight")
         w13 = [pack(w) for w in self.w13_weight.data]
         w2 = [pack(w) for w in self.w2_weight.data]
-        if any(p is None for p in w13 + w2):
+        if any(p is None or (p.is_mkldnn and not opaque) for p in w13 + w2):
             return False
         self.packed = (w13, w2)
-        self._linear, self._act = get_op("packed_linear"), get_op("silu_and_mul")
+        self._linear, self._act = get_op("packed_linear"), get_op("silu_and_mul")  # (expert parallelism's loop)
+        self._packed_moe = get_op("packed_fused_moe")
         for name in ("w13_weight", "w2_weight"):  # read through `packed` from now on
             setattr(self, name, nn.Parameter(getattr(self, name).data.new_empty(0), requires_grad=False))
         return True
@@ -107,7 +108,7 @@ class FusedMoE(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' weighted sum, without expert parallelism (every expert is local: ids are slots)."""
         if self.packed is not None:
-            return fused_moe_ref(x, *self.packed, weights, ids, linear=self._linear, act=self._act)
+            return self._packed_moe(x, *self.packed, weights, ids)
         return self._fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
 
     def reset_load_stats(self) -> None:

@@ -105,11 +105,13 @@ class Prepacked:
         return self._linear(x, self.packed, bias)
 
 
-def prepack_model(model: nn.Module) -> int:
+def prepack_model(model: nn.Module, opaque: bool = True) -> int:
     """Pack the weight of every dense linear, and every MoE layer's experts, the kernel backend has a layout
-    for; returns how many modules were packed."""
+    for; returns how many modules were packed. `opaque` False (a model to compile) keeps weights out of
+    layouts held in opaque tensors (oneDNN's, for shapes our kernels do not take, e.g. a router of 8
+    experts): a compiled graph cannot take them as inputs (no fake tensor has such a layout)."""
     pack = get_op("pack_linear_weight")
-    count = sum(m.pack_experts() for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None)
+    count = sum(m.pack_experts(opaque) for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None)
     users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False) if not p.is_mkldnn)
     for module in model.modules():
         if not isinstance(module, (LinearBase, ParallelLMHead)) or not getattr(module, "packable", True) or \
@@ -117,7 +119,7 @@ def prepack_model(model: nn.Module) -> int:
                 isinstance(module.quant, WeightOnly) and isinstance(module.quant.dense, Prepacked)):
             continue  # packed already
         packed = pack(module.weight)
-        if packed is None:
+        if packed is None or (packed.is_mkldnn and not opaque):
             continue
         if isinstance(module.quant, WeightOnly):
             module.quant.dense = Prepacked(packed)

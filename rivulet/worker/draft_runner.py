@@ -46,7 +46,8 @@ class DraftRunner:
         assert spec.model is not None
         if get_parallel_state().pp_size > 1:
             raise RivuletError("speculative decoding with a draft model runs without pipeline parallelism")
-        cfg = dataclasses.replace(model_config, model=spec.model, tokenizer=None, quantization=spec.quantization)
+        cfg = dataclasses.replace(model_config, model=spec.model, tokenizer=None, quantization=spec.quantization,
+                                  compilation_level=0)  # (the draft runs eager)
         try:
             source = resolve_model(spec.model)
         except RivuletError as e:

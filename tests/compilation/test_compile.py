@@ -51,6 +51,32 @@ def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeyp
     assert len(list((tmp_path / "compile" / "aot").glob(f"{compiled.fingerprint}-*.bin"))) == 2
 
 
+@pytest.mark.parametrize("kind, dtype", [("mixtral", "float32"), ("qwen3-moe", "bfloat16")])
+def test_moe_models_compile_with_their_experts_as_one_op(kind, dtype, tiny_model_dir, tmp_path, monkeypatch):
+    """MoE models compile: the experts, a loop over those that have tokens (which Dynamo cannot trace), are one
+    op on stacked weights (float32) or on weights packed one by one (bf16); the bf16 router, whose 6 rows our
+    kernels do not pack, keeps a plain weight (oneDNN's opaque layout cannot enter a graph). The compiled
+    forward gives the eager logits over prefill chunks and decodes."""
+    from helpers.runner import make_runner, teacher_forced_logits
+    from rivulet.layers.moe import FusedMoE
+
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_model_dir(kind)
+    ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    blocks = [3, 9, 1, 20]
+    want = teacher_forced_logits(make_runner(path, dtype=dtype, num_blocks=32), ids, [6, 5], blocks)
+    r = make_runner(path, dtype=dtype, num_blocks=32, compilation_level=1)
+    r.decode_program = None
+    moe = [m for m in r.model.modules() if isinstance(m, FusedMoE)]
+    assert moe and all((m.packed is not None) == (dtype == "bfloat16" and ext is not None) for m in moe)
+    assert not any(p.is_mkldnn for p in r.model.parameters())
+    got = teacher_forced_logits(r, ids, [6, 5], blocks)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    compiled = r.forward_fn
+    assert compiled.compiled == {"one-token", "multi-token"} and compiled.fallbacks == 0
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_compiled_tensor_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
     """-O2 over two tensor-parallel ranks (with sequence parallelism: reduce-scatters and all-gathers of token
@@ -214,7 +240,14 @@ def test_kernel_ops_have_faithful_fake_implementations(dtype):
                                         torch.tensor([5, 8], dtype=torch.int32), torch.tensor([0, 4]),
                                         torch.tensor([0, 1]), torch.zeros_like(q), 0.25, 0)),
     ]
+    e, inter = 3, 16  # MoE: 3 experts, 2 of them chosen by each token (expert 2 by none)
+    w13, w2 = _rand(e, 2 * inter, 32, dtype=dtype), _rand(e, 32, inter, dtype=dtype)
+    topk = (_rand(t, 2).softmax(-1), torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]]))
+    cases += [(torch.ops.rivulet_ref.fused_moe.default, (x, w13, w2, *topk)),
+              (torch.ops.rivulet_cpu.packed_fused_moe.default, (x, list(w13), list(w2), *topk))]
     if dtype == torch.bfloat16 and hasattr(ext, "bf16_linear") and ext.bf16_linear_available():
         cases.append((ops.bf16_linear.default, (x, ext.bf16_pack_weight(_rand(48, 32, dtype=dtype)), None)))
+        cases.append((torch.ops.rivulet_cpu.packed_fused_moe.default,
+                      (x, [ext.bf16_pack_weight(w) for w in w13], [ext.bf16_pack_weight(w) for w in w2], *topk)))
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

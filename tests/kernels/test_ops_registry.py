@@ -48,10 +48,10 @@ def test_register_op():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_every_op_has_a_triton_version():
-    # the VNNI weight-only path (GPUs use fp8), oneDNN-packed weights (GPU matmuls read the plain weight), and
+    # the VNNI weight-only path (GPUs use fp8), packed weights (GPU matmuls read the plain weight), and
     # GGUF dequantization (the loader's, on the host, before the weights reach a device)
     cpu_only = {"int8_linear", "int4_linear", "quantize_int8_weight", "quantize_int4_weight", "pack_linear_weight",
-                "packed_linear", "dequantize_gguf_blocks"}
+                "packed_linear", "packed_fused_moe", "dequantize_gguf_blocks"}
     for name in op_names():
         if name.startswith("test_only") or name in cpu_only:
             continue

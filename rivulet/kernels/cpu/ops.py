@@ -12,7 +12,9 @@ from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.kv_copy import copy_blocks_ref
+from rivulet.kernels.library import graph_op
 from rivulet.kernels.lora import LoRAPlan, add_lora_batched
+from rivulet.kernels.moe import fused_moe_ref
 from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight as quantize_int4_weight_ref)
@@ -159,6 +161,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if not packed.is_mkldnn:
         return F.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@graph_op("rivulet_cpu", "packed_fused_moe", lambda x, w13, w2, topk_weights, topk_ids: x.new_empty(x.shape))
+def packed_fused_moe(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_ref` over experts packed one by one (`pack_linear_weight`), as one op in a compiled graph."""
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, linear=packed_linear, act=silu_and_mul)
 
 
 if not AVAILABLE:  # same names, reference arithmetic

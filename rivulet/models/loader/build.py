@@ -47,5 +47,5 @@ def load_model(cfg: ModelConfig, src: ModelSource, dtype: torch.dtype, device: t
             raise RivuletError(f"cannot load weights from {src.path}: {e}") from None
         check_all_loaded(model, loaded)
     quantize_model(model, cfg.quantization)
-    prepack_model(model)
+    prepack_model(model, opaque=cfg.compilation_level == 0)
     return model.eval(), arch
