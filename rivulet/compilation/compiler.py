@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 COMPILATION_LEVELS = {0: "eager", 1: "torch.compile (inductor), kernels and attention as opaque ops",
                       2: "level 1 and Rivulet's fusion passes"}
 
-ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+ModelForward = Callable[..., torch.Tensor]  # (input_ids, positions, meta[, received])
 _GUARD_FAILED = "GuardManager check failed"  # torch's message when a saved graph's guards reject a call
 
 
@@ -213,19 +213,21 @@ class CompiledForward:
             self._loading = {kind: pool.submit(self._load, kind) for kind in saved}
             pool.shutdown(wait=False)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 received: torch.Tensor | None = None) -> torch.Tensor:
+        """`received`: a pipeline stage's input from the stage before (`worker/pipeline.py`)."""
         kind = next(k for k in self.kinds if k.takes(input_ids.shape[0]))
         if kind not in self._graphs:
             loading = self._loading.pop(kind, None)
             graph = loading.result() if loading is not None else None
             if graph is None:
-                with _marked(kind, input_ids, positions, meta, self._kv_caches()):
-                    graph = self._compile(kind, input_ids, positions, meta)
+                with _marked(kind, input_ids, positions, meta, self._kv_caches(), received):
+                    graph = self._compile(kind, input_ids, positions, meta, received)
             self._graphs[kind] = graph
         graph = self._graphs[kind]
         if graph is not None:
             try:
-                return graph(self.model, input_ids, positions, meta)
+                return graph(self.model, input_ids, positions, meta, received)
             except RuntimeError as e:
                 if not str(e).startswith(_GUARD_FAILED):
                     raise
@@ -233,8 +235,8 @@ class CompiledForward:
                                kind.name, " ".join(str(e).split()))
                 self._graphs[kind] = None
         self.fallbacks += 1
-        with _marked(kind, input_ids, positions, meta, self._kv_caches()):
-            return self._jit_forward(input_ids, positions, meta)
+        with _marked(kind, input_ids, positions, meta, self._kv_caches(), received):
+            return self._jit_forward(input_ids, positions, meta, received)
 
     @property
     def fusions(self) -> dict[str, int]:
@@ -269,7 +271,7 @@ class CompiledForward:
         return graph
 
     def _compile(self, step: StepKind, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> Any:
+                 meta: AttentionMetadata, received: torch.Tensor | None) -> Any:
         kind, path, start = step.name, self._path(step), time.perf_counter()
         _trust_reported_isa()
         try:
@@ -277,7 +279,7 @@ class CompiledForward:
             with torch._dynamo.config.patch(specialize_float=True), \
                     torch._inductor.config.patch(self._inductor_options()):
                 fn = torch.compile(type(self.model).forward, fullgraph=True)
-                graph = fn.aot_compile(((self.model, input_ids, positions, meta), {}))
+                graph = fn.aot_compile(((self.model, input_ids, positions, meta, received), {}))
         except Exception as e:  # noqa: BLE001 - the in-process compile still works
             logger.warning("ahead-of-time compile of the %s graph failed (%s: %s); using torch.compile", kind,
                            type(e).__name__, e)
@@ -295,10 +297,11 @@ class CompiledForward:
                 logger.warning("could not save the compiled %s graph (%s: %s)", kind, type(e).__name__, e)
         return graph
 
-    def _jit_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _jit_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     received: torch.Tensor | None) -> torch.Tensor:
         if self._jit is None:
             self._jit = torch.compile(self.model, fullgraph=True, options=self._inductor_options() or None)
-        return self._jit(input_ids, positions, meta)
+        return self._jit(input_ids, positions, meta, received)
 
 
 _MAX_TOKENS = 1 << 30  # "no upper bound" for a range Dynamo is given (it wants a number)
@@ -308,7 +311,7 @@ _MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_over
 
 @contextmanager
 def _marked(kind: StepKind, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            kv_caches: list[torch.Tensor]) -> Iterator[None]:
+            kv_caches: list[torch.Tensor], received: torch.Tensor | None = None) -> Iterator[None]:
     """Dynamo's size annotations on a step's inputs while it traces them, taken off afterwards: a saved
     graph guards that a tensor it saw unmarked comes unmarked, and some metadata tensors live on.
 
@@ -329,6 +332,9 @@ def _marked(kind: StepKind, input_ids: torch.Tensor, positions: torch.Tensor, me
         torch._dynamo.mark_dynamic(input_ids, 0, min=kind.lo, max=hi)
         torch._dynamo.mark_dynamic(positions, 0, min=kind.lo, max=hi)
         marked += [input_ids, positions]
+        if received is not None:  # a pipeline stage's input: [2, tokens, hidden] (`check_parallel` refuses SP here)
+            torch._dynamo.mark_dynamic(received, 1, min=kind.lo, max=hi)
+            marked.append(received)
     try:
         yield
     finally:

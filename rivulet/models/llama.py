@@ -12,16 +12,15 @@ attention too.
 from __future__ import annotations
 
 import re
-import time
 from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from rivulet.config import RivuletError
-from rivulet.distributed import get_parallel_state, padded_tokens, pipeline_recv, pipeline_send
+from rivulet.distributed import get_parallel_state
 from rivulet.distributed import sequence_parallel_all_gather
-from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
+from rivulet.kernels.attention import AttentionMetadata
 from rivulet.layers.activation import ActAndMul
 from rivulet.layers.attention import Attention
 from rivulet.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -143,7 +142,6 @@ class LlamaModel(nn.Module):
             if self.start_layer <= i < self.end_layer else PPMissingLayer() for i in range(n))
         self.embed_scale = cfg.hidden_size**0.5 if cfg.embed_scale else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
-        self.stage_busy_s = 0.0  # pipeline: this stage's compute time, waiting for the previous stage excluded
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,36 +149,11 @@ class LlamaModel(nn.Module):
         Not kept as an attribute: torch.compile's saved guards lose a module's bare dtype attributes."""
         return self.layers[self.start_layer].input_layernorm.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Hidden states [T, hidden] on the last stage; None on the others (sent on instead)."""
-        ps = self.parallel
-        if ps.pp_size == 1:
-            return self._stage(input_ids, positions, meta, None)
-        # pipeline: the step's sequences in micro-batches; a stage sends one on (asynchronously) and
-        # starts the next while the following stage works on the first
-        outs, pending = [], []
-        for q0, q1, sub in micro_batches(meta, ps.pp_micro_batches):
-            t = q1 - q0
-            received = None
-            if not ps.is_first_stage:
-                rows = padded_tokens(t, ps) // ps.tp_size if ps.sp else t
-                received = pipeline_recv((2, rows, self.hidden_size), self.dtype, input_ids.device, ps)
-            start = time.perf_counter()
-            out = self._stage(input_ids[q0:q1], positions[q0:q1], sub, received)
-            self.stage_busy_s += time.perf_counter() - start
-            if ps.is_last_stage:
-                outs.append(out)
-            else:
-                buf = out.contiguous()  # type: ignore[union-attr]
-                pending.append((pipeline_send(buf, ps, async_op=True), buf))
-        for work, _ in pending:
-            work.wait()
-        return torch.cat(outs) if len(outs) > 1 else (outs[0] if outs else None)
-
-    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               received: torch.Tensor | None) -> torch.Tensor:
-        """This stage's layers on one (micro-)batch: the final hidden states on the last stage, else
-        [2, rows, hidden] (hidden + residual) for the next one."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                received: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's layers on one (micro-)batch: the final hidden states [T, hidden] on the last stage,
+        else [2, rows, hidden] (hidden + residual) for the next one; `received` is the previous stage's
+        (none on the first). The micro-batches, sends and receives are the runner's (`worker/pipeline.py`)."""
         ps = self.parallel
         if received is None:
             x, residual = self.embed_tokens(input_ids), None  # type: ignore[misc]
@@ -196,30 +169,6 @@ class LlamaModel(nn.Module):
         if ps.sp:
             x = sequence_parallel_all_gather(x, ps, input_ids.shape[0])
         return x
-
-
-def micro_batches(meta: AttentionMetadata, m: int) -> list[tuple[int, int, AttentionMetadata]]:
-    """Split a step's sequences into at most `m` contiguous groups of about equal token counts:
-    (first token, end token, the group's attention metadata) each."""
-    layout = meta.layout()  # pipeline stages only: a host read of the batch's shape
-    qsl, n = layout.query_start_loc, layout.num_seqs
-    m = max(1, min(m, n))
-    if m == 1:
-        return [(0, qsl[-1], meta)]
-    bounds, total = [0], qsl[-1]
-    for g in range(1, m):
-        target = total * g / m
-        s = min(range(bounds[-1] + 1, n - (m - g) + 1), key=lambda i: abs(qsl[i] - target))
-        bounds.append(s)
-    bounds.append(n)
-    out = []
-    for s0, s1 in zip(bounds, bounds[1:]):
-        q0, q1 = qsl[s0], qsl[s1]
-        sub = build_attention_metadata(
-            BatchLayout([q - q0 for q in qsl[s0:s1 + 1]], layout.seq_lens[s0:s1]), meta.slot_mapping[q0:q1],
-            meta.block_tables[s0:s1], meta.query_start_loc[s0:s1 + 1] - q0, meta.seq_lens[s0:s1])
-        out.append((q0, q1, sub))
-    return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,9 +195,10 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer_idx: int) -> nn.Module:
         return LlamaMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of every token in the flat batch."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                received: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token in the flat batch (a pipeline stage's: see `LlamaModel`)."""
+        return self.model(input_ids, positions, meta, received)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)  # type: ignore[union-attr]

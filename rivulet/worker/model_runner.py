@@ -27,6 +27,7 @@ from rivulet.worker.input_batch import InputBatch, StepInputs
 from rivulet.worker.kv_tier import KVTierWorker
 from rivulet.worker.lora import LoRAManager
 from rivulet.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from rivulet.worker.pipeline import PipelineStage
 from rivulet.worker.staging import to_device
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,10 @@ class ModelRunner:
             self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
             self.use_cuda_graphs = self.use_decode_program = False  # the adapters' segments change from step to step
         self.forward_fn = self.model  # the compiled forward at --compilation-level 1 and 2
-        if model_config.compilation_level > 0:
-            ps = get_parallel_state()  # tensor and sequence parallelism (`check_parallel` refuses PP and EP)
+        ps = get_parallel_state()
+        # pipeline parallelism: the step's micro-batches, received and sent on around this stage's forward
+        self.pipeline = PipelineStage(ps, self.arch.hidden_size, self.dtype) if ps.pp_size > 1 else None
+        if model_config.compilation_level > 0:  # (`check_parallel` refuses expert parallelism)
             if any(isinstance(m, MLAAttention) for m in self.model.modules()):
                 # its cache is one tensor seen twice (a stride-0 view) and written in place: a compiled graph
                 # would copy the write back into that view, which torch refuses
@@ -202,6 +205,8 @@ class ModelRunner:
     def _run_model(self, batch: FlatBatch) -> torch.Tensor:
         """Hidden states of the flat batch: a CUDA-graph replay for a step staged into one (uniform steps that
         fit), on CPUs the decode program for small decode steps, else the model's forward."""
+        if self.pipeline is not None:
+            return self.pipeline.run(self.forward_fn, batch.input_ids, batch.positions, batch.meta)
         if self.decode_program is not None:
             hidden = self.decode_program.run(batch.input_ids, batch.positions, batch.meta, batch.layout)
             if hidden is not None:

@@ -151,15 +151,23 @@ class Worker:
 
     def local_stats(self, name: str) -> Any:
         """This rank's statistics: "comm" (bytes per collective kind), "pipeline" (step and busy
-        seconds), "experts" (per MoE layer: tokens per expert, rows per rank, packed or not), "reset" (clear them)."""
+        seconds), "experts" (per MoE layer: tokens per expert, rows per rank, packed or not), "compile" (the
+        kinds of step whose graph this rank compiled or loaded, steps that fell back to the in-process compile;
+        None when eager), "reset" (clear them)."""
         model = self.runner.model
         moes = [m for m in model.modules() if hasattr(m, "expert_counts")]
         if name == "comm":
             return get_comm_stats()
         if name == "pipeline":
-            busy = getattr(getattr(model, "model", None), "stage_busy_s", 0.0)
+            busy = self.runner.pipeline.busy_s if self.runner.pipeline is not None else 0.0
             return {"rank": self.rank, "pp_rank": self.state.pp_rank, "tp_rank": self.state.tp_rank,
                     "steps": self.steps, "step_s": self.step_time_s, "busy_s": busy}
+        if name == "compile":
+            fn = self.runner.forward_fn
+            if fn is self.runner.model:
+                return None
+            return {"rank": self.rank, "compiled": sorted(fn.compiled), "loaded": sorted(fn.loaded),
+                    "fallbacks": fn.fallbacks, "fusions": fn.fusions}
         if name == "experts":
             return [{"expert_counts": m.expert_counts.tolist(), "rank_load": m.rank_load.tolist(),
                      "cross_rows": int(m.cross_rows), "local_experts": list(m.local_experts),
@@ -167,8 +175,8 @@ class Worker:
         if name == "reset":
             reset_comm_stats()
             self.step_time_s, self.steps = 0.0, 0
-            if hasattr(model, "model"):
-                model.model.stage_busy_s = 0.0
+            if self.runner.pipeline is not None:
+                self.runner.pipeline.busy_s = 0.0
             for m in moes:
                 m.reset_load_stats()
             return None

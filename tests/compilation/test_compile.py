@@ -97,13 +97,42 @@ def test_compiled_tensor_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
         ex.collect("reset")
         runs[level] = (_tokens(llm, prompts, params), ex.collect("comm"))
         compiled = ex.worker.runner.forward_fn  # rank 0's, in this process
+        stats = ex.collect("compile")
         llm.shutdown()
     assert runs[2] == runs[0]
     assert compiled.compiled == {"multi-token-over-2" if sp else "multi-token"} and compiled.fallbacks == 0
+    assert [(s["compiled"], s["fallbacks"]) for s in stats] == [(sorted(compiled.compiled), 0)] * 2  # rank 1 too
     assert compiled.fusions["rope_kv_write"] > (0 if ext is not None else -1)  # the pass matches the C++ ops
     kinds = set().union(*runs[0][1])
     assert kinds == ({"reduce_scatter", "all_gather"} if sp else {"all_reduce", "all_gather"})
     assert compiled.cache_dir is None  # ranks compile in-process and save nothing
+
+
+def test_compiled_pipeline_parallel_gives_the_eager_tokens(tiny_model_dir):
+    """-O2 over two pipeline stages in two micro-batches: each stage compiles its forward on one micro-batch (the
+    first from token ids, the second from the [2, tokens, hidden] it receives; the runner sends and receives
+    around it, `worker/pipeline.py`), and the greedy tokens equal the eager engine's. The first stage's steps
+    of one and of more tokens each got a graph, with no fallback; its busy time is counted."""
+    path, _ = tiny_model_dir("llama")
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4,
+              pipeline_parallel_size=2, pipeline_micro_batches=2)
+    g = torch.Generator().manual_seed(6)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    runs = {}
+    for level in (0, 2):
+        llm = LLM(str(path), compilation_level=level, **kw)
+        runs[level] = _tokens(llm, prompts, params)
+        ex = llm.engine.core.executor
+        compiled = ex.worker.runner.forward_fn  # the first stage's, in this process
+        busy = [s["busy_s"] for s in ex.collect("pipeline")]
+        stats = ex.collect("compile")
+        llm.shutdown()
+    assert runs[2] == runs[0]
+    assert compiled.cache_dir is None and all(b > 0 for b in busy)
+    # both stages: a graph for steps of one and of more tokens, none fell back (the second stage's takes what it
+    # receives: a graph traced without it would fail its guards and fall back)
+    assert [(s["compiled"], s["fallbacks"]) for s in stats] == [(["multi-token", "one-token"], 0)] * 2
 
 
 def test_step_kinds_split_where_a_graph_would_be_specialized():
@@ -123,12 +152,16 @@ def test_step_kinds_split_where_a_graph_would_be_specialized():
 
 
 def test_compiling_refuses_what_it_cannot_run(tiny_model_dir):
-    """Pipeline and expert parallelism, and multi-head latent attention (its cache is one tensor seen twice and
-    written in place, which a compiled graph cannot copy back): a one-line error before any step."""
+    """Expert parallelism, pipeline with sequence parallelism, and multi-head latent attention (its cache is one
+    tensor seen twice and written in place, which a compiled graph cannot copy back): a one-line error before
+    any step."""
     path, _ = tiny_model_dir("mixtral")
-    for kw in (dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
-        with pytest.raises(RivuletError, match="not with pipeline or expert parallelism"):
-            LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, **kw)
+    with pytest.raises(RivuletError, match="not with expert parallelism"):
+        LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, tensor_parallel_size=2,
+            enable_expert_parallel=True)
+    with pytest.raises(RivuletError, match="pipeline parallelism without sequence parallelism"):
+        LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, tensor_parallel_size=2,
+            pipeline_parallel_size=2, enable_sequence_parallel=True)
     with pytest.raises(RivuletError, match="multi-head latent attention"):
         LLM(str(tiny_model_dir("deepseek-v3")[0]), dtype="float32", max_model_len=64, compilation_level=1)
 
