@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rivulet.kernels.library import graph_op
 from rivulet.plugins import load_kernel_plugins
 
 
@@ -69,6 +70,15 @@ def write_kv_cache_ref(
     flat = kv_cache.view(2, num_blocks * block_size, hk, d)
     flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+@graph_op("rivulet_ref", "write_latent_cache", lambda entry, cache, slot_mapping: None, mutates_args=("cache",))
+def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store multi-head latent attention's entries [T, D] into their slots of its cache [1, num_blocks,
+    block_size, 1, D]; one op in a compiled graph, which writes the cache in place (traced, the write would
+    be functionalized into a copy of the whole cache per step)."""
+    flat = cache.view(-1, cache.shape[-1])
+    flat.index_copy_(0, slot_mapping, entry.to(cache.dtype))
 
 
 def rotary_write_kv_cache_ref(

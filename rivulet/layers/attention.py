@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from rivulet.kernels import AttentionMetadata, get_attention_backend
-from rivulet.kernels.attention import varlen_attention
+from rivulet.kernels.attention import varlen_attention, write_latent_cache
 from rivulet.kernels.ops import get_op
 from rivulet.platforms import current_platform
 
@@ -74,15 +74,13 @@ class MLAAttention(Attention):
         super().__init__(num_heads, latent_dim + rope_dim, scale, num_kv_heads=1)
         self.latent_dim = latent_dim
 
-    def bind_kv_cache(self, cache: torch.Tensor) -> None:
-        self.kv_cache = cache.expand(2, -1, -1, -1, -1)  # values = keys: the same memory
-
     def forward(self, q: torch.Tensor, entry: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # type: ignore[override]
         """q [T, H, latent+rope] (the no-rope part already absorbed into latent space), entry [T, latent+rope]
-        (this step's tokens, stored in the cache) -> [T, H, latent]."""
+        (this step's tokens, stored in the cache [1, num_blocks, block_size, 1, latent+rope]) -> [T, H, latent]."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
-        slots = self.kv_cache[0].view(-1, self.head_dim)
-        slots.index_copy_(0, meta.slot_mapping, entry.to(slots.dtype))
-        out = self.backend(q, self.kv_cache, meta, self.scale, None, 0.0)
+        write_latent_cache(entry, self.kv_cache, meta.slot_mapping)
+        # values = keys: the same memory, seen twice (a view made here, so a compiled graph writes the cache
+        # itself, not a stride-0 view of it, which it could not write back)
+        out = self.backend(q, self.kv_cache.expand(2, -1, -1, -1, -1), meta, self.scale, None, 0.0)
         return out[..., :self.latent_dim]

@@ -11,7 +11,7 @@ import torch
 from rivulet.config import CacheConfig, LoRAConfig, ModelConfig, RivuletError, SpeculativeConfig
 from rivulet.core.outputs import GrammarBitmask, SchedulerOutput
 from rivulet.distributed import get_parallel_state
-from rivulet.layers.attention import Attention, MLAAttention
+from rivulet.layers.attention import Attention
 from rivulet.layers.pooler import finish_embedding, pool
 from rivulet.layers.sampler import Sampler, apply_token_bitmask, gather_logprobs
 from rivulet.models.decode_program import DecodeProgram, build_decode_program
@@ -99,11 +99,6 @@ class ModelRunner:
         # pipeline parallelism: the step's micro-batches, received and sent on around this stage's forward
         self.pipeline = PipelineStage(ps, self.arch.hidden_size, self.dtype) if ps.pp_size > 1 else None
         if model_config.compilation_level > 0:  # (`check_parallel` refuses expert parallelism)
-            if any(isinstance(m, MLAAttention) for m in self.model.modules()):
-                # its cache is one tensor seen twice (a stride-0 view) and written in place: a compiled graph
-                # would copy the write back into that view, which torch refuses
-                raise RivuletError("--compilation-level 1 and 2 do not run multi-head latent attention (DeepSeek) "
-                                   "yet; use 0")
             from rivulet.compilation import CompiledForward, parse_passes  # inductor only when compiling
 
             passes = parse_passes(model_config.compilation_passes) if model_config.compilation_level == 2 else ()
