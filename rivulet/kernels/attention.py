@@ -72,6 +72,13 @@ def write_kv_cache_ref(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+@graph_op("rivulet_ref", "write_kv_cache", lambda key, value, kv_cache, slot_mapping: None, mutates_args=("kv_cache",))
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`write_kv_cache_ref` as one op in a compiled graph (where no kernel backend has its own): the graph writes
+    the cache in place (traced, the write would be functionalized into a copy of the whole cache per step)."""
+    write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+
+
 @graph_op("rivulet_ref", "write_latent_cache", lambda entry, cache, slot_mapping: None, mutates_args=("cache",))
 def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store multi-head latent attention's entries [T, D] into their slots of its cache [1, num_blocks,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rivulet.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
-from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_ref
+from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.kv_copy import copy_blocks_ref
 from rivulet.kernels.lora import add_lora_ref
@@ -48,7 +48,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "gelu_tanh_and_mul": {"torch": gelu_tanh_and_mul_ref, "triton": f"{_TRITON}.activation:gelu_tanh_and_mul"},
     "apply_rotary": {"torch": apply_rotary_ref, "triton": f"{_TRITON}.rotary:apply_rotary",
                      "cpu": f"{_CPU}:apply_rotary"},
-    "write_kv_cache": {"torch": write_kv_cache_ref, "triton": f"{_TRITON}.kv_cache:write_kv_cache",
+    "write_kv_cache": {"torch": write_kv_cache, "triton": f"{_TRITON}.kv_cache:write_kv_cache",
                        "cpu": f"{_CPU}:write_kv_cache"},
     # apply_rotary + write_kv_cache in one op: what the RoPE + KV-write fusion pass (rivulet/compilation/) calls
     "rotary_write_kv_cache": {"torch": rotary_write_kv_cache_ref, "cpu": f"{_CPU}:rotary_write_kv_cache",

@@ -151,16 +151,24 @@ def test_step_kinds_split_where_a_graph_would_be_specialized():
                                                       ("multi-token-over-4", 5, None)]
 
 
-def test_latent_attention_compiles_with_its_cache_written_in_place(tiny_model_dir, tmp_path, monkeypatch):
-    """DeepSeek's multi-head latent attention compiled: its cache entry is written by one op per layer (traced,
-    the write became a copy of the whole cache per step: 77 ms against 0.4 for a 200k-block cache), and the
-    compiled forward gives the eager logits over prefill chunks and decodes."""
+@pytest.mark.parametrize("kind, backend, write", [("deepseek-v3", None, "write_latent_cache"),
+                                                  ("llama", "torch", "write_kv_cache")])
+def test_compiled_kv_writes_are_ops_that_write_the_cache_in_place(kind, backend, write, tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    """KV-cache writes no kernel backend owns are one op per layer in a compiled graph, so the graph writes the
+    cache in place: DeepSeek's latent attention, and the reference write (a CPU without a compiler; here the
+    "torch" kernel backend). Traced, a write became a copy of the whole cache per step: 77 ms against 0.4 (MLA)
+    and 392 ms against 0.4 (Llama) for one decode step over a 200k-block cache. The compiled forward gives the
+    eager logits over prefill chunks and decodes."""
     from helpers.runner import make_runner, teacher_forced_logits
-    from rivulet.layers.attention import MLAAttention
+    from rivulet.layers.attention import Attention
+    from rivulet.platforms import current_platform
     from rivulet.worker.batch import SeqChunk
 
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
-    path, _ = tiny_model_dir("deepseek-v3")
+    if backend is not None:
+        monkeypatch.setattr(current_platform(), "kernel_backend", lambda: backend)
+    path, _ = tiny_model_dir(kind)
     ids = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     blocks = [3, 9, 1, 20]
     want = teacher_forced_logits(make_runner(path, num_blocks=32), ids, [6, 5], blocks)
@@ -170,8 +178,8 @@ def test_latent_attention_compiles_with_its_cache_written_in_place(tiny_model_di
     assert r.forward_fn.compiled == {"one-token", "multi-token"} and r.forward_fn.fallbacks == 0
     with torch.profiler.profile() as prof:
         r.forward([SeqChunk(ids[-1:], len(ids) - 1, blocks)])
-    writes = sum(e.name == "rivulet_ref::write_latent_cache" for e in prof.events())
-    assert writes == sum(isinstance(m, MLAAttention) for m in r.model.modules()) > 0
+    writes = sum(e.name == f"rivulet_ref::{write}" for e in prof.events())
+    assert writes == sum(isinstance(m, Attention) for m in r.model.modules()) > 0
 
 
 def test_compiling_refuses_what_it_cannot_run(tiny_model_dir):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rivulet.kernels.activation import silu_and_mul_ref
-from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache_ref
+from rivulet.kernels.attention import rotary_write_kv_cache_ref, write_kv_cache as write_kv_cache_ref_op
 from rivulet.kernels.bitmask import apply_token_bitmask_ref
 from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.kv_copy import copy_blocks_ref
@@ -172,7 +172,7 @@ def packed_fused_moe(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Te
 
 if not AVAILABLE:  # same names, reference arithmetic
     rms_norm, fused_add_rms_norm = rms_norm_ref, fused_add_rms_norm_ref  # noqa: F811
-    apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref, int8_linear_ref  # noqa: F811
+    apply_rotary, write_kv_cache, int8_linear = apply_rotary_ref, write_kv_cache_ref_op, int8_linear_ref  # noqa: F811
     rotary_write_kv_cache = rotary_write_kv_cache_ref  # noqa: F811
     int4_linear, silu_and_mul = int4_linear_ref, silu_and_mul_ref  # noqa: F811
     quantize_int4_weight, dequantize_gguf_blocks = quantize_int4_weight_ref, dequantize_gguf_blocks_ref  # noqa: F811
