@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,7 +12,12 @@ from torch import nn
 from rivulet.distributed import (all_to_all, get_parallel_state, padded_tokens, sequence_parallel_all_gather,
                                  tensor_parallel_all_reduce, tensor_parallel_reduce_scatter)
 from rivulet.kernels.activation import silu_and_mul_ref
+from rivulet.kernels.library import graph_op
 from rivulet.kernels.ops import get_op
+
+# expert-parallel layers by name, for the op a compiled graph calls (`expert_parallel_moe`)
+_EP_LAYERS: weakref.WeakValueDictionary[str, FusedMoE] = weakref.WeakValueDictionary()
+_EP_NAMES = itertools.count()
 
 
 class FusedMoE(nn.Module):
@@ -45,6 +53,8 @@ class FusedMoE(nn.Module):
         self.inter = intermediate_size if self.ep else intermediate_size // tp
         if self.ep:  # whole experts: no split of the intermediate dimension
             self.tp_rank = 0
+            self.ep_name = f"moe{next(_EP_NAMES)}"
+            _EP_LAYERS[self.ep_name] = self
         n_slots = len(self.local_experts)
         self.w13_weight = nn.Parameter(torch.empty(n_slots, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(n_slots, hidden_size, self.inter), requires_grad=False)
@@ -128,7 +138,7 @@ class FusedMoE(nn.Module):
         flat = ids.flatten()  # index_add_, not bincount: no host sync, so CUDA graphs can capture it
         self.expert_counts.index_add_(0, flat, torch.ones_like(flat))
         if self.ep:
-            return self._forward_ep(x, weights, ids)
+            return expert_parallel_moe(x, weights, ids, self.ep_name)
         self.rank_load.add_(flat.numel())
         y = self._experts(x, weights, ids)
         if self.parallel.sp:
@@ -194,3 +204,17 @@ class FusedMoE(nn.Module):
         if ps.sp:
             return y
         return sequence_parallel_all_gather(y, ps, t)
+
+
+def _expert_parallel_like(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: str) -> torch.Tensor:
+    ps = _EP_LAYERS[layer].parallel
+    if ps.sp:  # this rank's shard of the padded tokens
+        return x.new_empty((padded_tokens(x.shape[0], ps) // ps.tp_size, x.shape[1]))
+    return x.new_empty(x.shape)
+
+
+@graph_op("rivulet_ep", "expert_parallel_moe", _expert_parallel_like)
+def expert_parallel_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: str) -> torch.Tensor:
+    """The expert-parallel layer named `layer` on a routing (`FusedMoE._forward_ep`), as one op in a compiled
+    graph: its all-to-alls take split sizes read on the host, which a graph cannot hold."""
+    return _EP_LAYERS[layer]._forward_ep(x, weights, ids)

@@ -98,7 +98,7 @@ class ModelRunner:
         ps = get_parallel_state()
         # pipeline parallelism: the step's micro-batches, received and sent on around this stage's forward
         self.pipeline = PipelineStage(ps, self.arch.hidden_size, self.dtype) if ps.pp_size > 1 else None
-        if model_config.compilation_level > 0:  # (`check_parallel` refuses expert parallelism)
+        if model_config.compilation_level > 0:  # (`check_parallel` refuses PP with SP)
             from rivulet.compilation import CompiledForward, parse_passes  # inductor only when compiling
 
             passes = parse_passes(model_config.compilation_passes) if model_config.compilation_level == 2 else ()

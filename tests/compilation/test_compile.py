@@ -182,12 +182,33 @@ def test_compiled_kv_writes_are_ops_that_write_the_cache_in_place(kind, backend,
     assert writes == sum(isinstance(m, Attention) for m in r.model.modules()) > 0
 
 
-def test_compiling_refuses_what_it_cannot_run(tiny_model_dir):
-    """Expert parallelism, and pipeline with sequence parallelism: a one-line error before any step."""
+@pytest.mark.parametrize("sp", [False, True], ids=["ep2", "ep2-sp"])
+def test_compiled_expert_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
+    """-O2 with expert parallelism over two ranks: each rank's expert-parallel layers are one op in its graph
+    (`rivulet_ep::expert_parallel_moe`: the all-to-alls' split sizes are read on the host), and the greedy
+    tokens and the routing statistics equal the eager engine's; every rank compiled, none fell back."""
     path, _ = tiny_model_dir("mixtral")
-    with pytest.raises(RivuletError, match="not with expert parallelism"):
-        LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, tensor_parallel_size=2,
-            enable_expert_parallel=True)
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4, tensor_parallel_size=2,
+              enable_expert_parallel=True, enable_sequence_parallel=sp)
+    g = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    runs = {}
+    for level in (0, 2):
+        llm = LLM(str(path), compilation_level=level, **kw)
+        ex = llm.engine.core.executor
+        ex.collect("reset")
+        runs[level] = (_tokens(llm, prompts, params), ex.collect("experts"))
+        stats = ex.collect("compile")
+        llm.shutdown()
+    assert runs[2] == runs[0]
+    assert all(layer["rank_load"] and sum(layer["rank_load"]) for rank in runs[2][1] for layer in rank)
+    assert [s["fallbacks"] for s in stats] == [0, 0] and all(s["compiled"] for s in stats)
+
+
+def test_compiling_refuses_what_it_cannot_run(tiny_model_dir):
+    """Pipeline with sequence parallelism: a one-line error before any step."""
+    path, _ = tiny_model_dir("mixtral")
     with pytest.raises(RivuletError, match="pipeline parallelism without sequence parallelism"):
         LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, tensor_parallel_size=2,
             pipeline_parallel_size=2, enable_sequence_parallel=True)

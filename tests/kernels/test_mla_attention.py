@@ -70,11 +70,17 @@ def test_mla_layer_stores_one_vector_per_token_and_attends_over_it() -> None:
     """The layer writes this step's entries into its slots only (nothing else in the cache changes) and
     returns the latent part of the attention over them."""
     layer = MLAAttention(HEADS, LATENT, ROPE, 0.2)
-    layer.backend = paged_attention_ref
+    seen = []  # the backend reads keys and values from the same memory: a stride-0 view of the cache
+
+    def backend(q, kv_cache, *args):
+        seen.append((kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.stride(0)))
+        return paged_attention_ref(q, kv_cache, *args)
+
+    layer.backend = backend
     _, latent_cache, meta = _case([(0, 6), (5, 3)], torch.float32, seed=2)
     before = latent_cache.clone()
     layer.bind_kv_cache(latent_cache)
-    assert layer.kv_cache.data_ptr() == latent_cache.data_ptr() and layer.kv_cache.stride(0) == 0
+    assert layer.kv_cache is latent_cache
     g = torch.Generator().manual_seed(3)
     entries = torch.randn(9, LATENT + ROPE, generator=g)
     q = torch.randn(9, HEADS, LATENT + ROPE, generator=g)
@@ -84,3 +90,4 @@ def test_mla_layer_stores_one_vector_per_token_and_attends_over_it() -> None:
     written[meta.slot_mapping] = True
     assert torch.equal(flat[meta.slot_mapping], entries) and torch.equal(flat[~written], was[~written])
     torch.testing.assert_close(got, _by_hand(q, latent_cache, meta, 0.2), rtol=2e-5, atol=2e-5)
+    assert seen == [(latent_cache.data_ptr(), 2, 0)]
