@@ -28,6 +28,25 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def _eager_and_compiled(tiny_model_dir, kind: str, stat: str, **parallel) -> dict:
+    """Over several ranks (`parallel`), at -O 0 and -O 2: (greedy tokens of three prompts, `collect(stat)`,
+    `collect("compile")`, rank 0's forward) per level. (The default cache folder: rank 1's process would build
+    the C++ kernels again in a new one.)"""
+    path, _ = tiny_model_dir(kind)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    runs = {}
+    for level in (0, 2):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4,
+                  compilation_level=level, **parallel)
+        ex = llm.engine.core.executor
+        ex.collect("reset")
+        runs[level] = (_tokens(llm, prompts, params), ex.collect(stat), ex.collect("compile"), ex.worker.runner.forward_fn)
+        llm.shutdown()
+    return runs
+
+
 def test_compiled_model_gives_the_eager_tokens(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
     path, _ = tiny_model_dir("llama")
@@ -82,24 +101,10 @@ def test_compiled_tensor_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
     """-O2 over two tensor-parallel ranks (with sequence parallelism: reduce-scatters and all-gathers of token
     shards): each rank compiles its graph with the collectives as opaque ops (`torch.ops.rivulet_dist.*`), and
     the greedy tokens, and every collective's calls and bytes (counted as the ops run), equal the eager engine's.
-    Every step has 3 tokens or more (the prompts, then 3 decodes), so each rank compiles one graph. (The default
-    cache folder: rank 1's process would build the C++ kernels again in a new one.)"""
-    path, _ = tiny_model_dir("llama")
-    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4, tensor_parallel_size=2,
-              enable_sequence_parallel=sp)
-    g = torch.Generator().manual_seed(5)
-    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
-    runs = {}
-    for level in (0, 2):
-        llm = LLM(str(path), compilation_level=level, **kw)
-        ex = llm.engine.core.executor
-        ex.collect("reset")
-        runs[level] = (_tokens(llm, prompts, params), ex.collect("comm"))
-        compiled = ex.worker.runner.forward_fn  # rank 0's, in this process
-        stats = ex.collect("compile")
-        llm.shutdown()
-    assert runs[2] == runs[0]
+    Every step has 3 tokens or more (the prompts, then 3 decodes), so each rank compiles one graph."""
+    runs = _eager_and_compiled(tiny_model_dir, "llama", "comm", tensor_parallel_size=2, enable_sequence_parallel=sp)
+    stats, compiled = runs[2][2:]
+    assert runs[2][:2] == runs[0][:2]
     assert compiled.compiled == {"multi-token-over-2" if sp else "multi-token"} and compiled.fallbacks == 0
     assert [(s["compiled"], s["fallbacks"]) for s in stats] == [(sorted(compiled.compiled), 0)] * 2  # rank 1 too
     assert compiled.fusions["rope_kv_write"] > (0 if ext is not None else -1)  # the pass matches the C++ ops
@@ -113,22 +118,9 @@ def test_compiled_pipeline_parallel_gives_the_eager_tokens(tiny_model_dir):
     first from token ids, the second from the [2, tokens, hidden] it receives; the runner sends and receives
     around it, `worker/pipeline.py`), and the greedy tokens equal the eager engine's. The first stage's steps
     of one and of more tokens each got a graph, with no fallback; its busy time is counted."""
-    path, _ = tiny_model_dir("llama")
-    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4,
-              pipeline_parallel_size=2, pipeline_micro_batches=2)
-    g = torch.Generator().manual_seed(6)
-    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
-    runs = {}
-    for level in (0, 2):
-        llm = LLM(str(path), compilation_level=level, **kw)
-        runs[level] = _tokens(llm, prompts, params)
-        ex = llm.engine.core.executor
-        compiled = ex.worker.runner.forward_fn  # the first stage's, in this process
-        busy = [s["busy_s"] for s in ex.collect("pipeline")]
-        stats = ex.collect("compile")
-        llm.shutdown()
-    assert runs[2] == runs[0]
+    runs = _eager_and_compiled(tiny_model_dir, "llama", "pipeline", pipeline_parallel_size=2, pipeline_micro_batches=2)
+    busy, stats, compiled = [s["busy_s"] for s in runs[2][1]], *runs[2][2:]  # (the first stage's forward)
+    assert runs[2][0] == runs[0][0]
     assert compiled.cache_dir is None and all(b > 0 for b in busy)
     # both stages: a graph for steps of one and of more tokens, none fell back (the second stage's takes what it
     # receives: a graph traced without it would fail its guards and fall back)
@@ -187,21 +179,10 @@ def test_compiled_expert_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
     """-O2 with expert parallelism over two ranks: each rank's expert-parallel layers are one op in its graph
     (`rivulet_ep::expert_parallel_moe`: the all-to-alls' split sizes are read on the host), and the greedy
     tokens and the routing statistics equal the eager engine's; every rank compiled, none fell back."""
-    path, _ = tiny_model_dir("mixtral")
-    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, block_size=4, tensor_parallel_size=2,
-              enable_expert_parallel=True, enable_sequence_parallel=sp)
-    g = torch.Generator().manual_seed(7)
-    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (5, 23, 40)]
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
-    runs = {}
-    for level in (0, 2):
-        llm = LLM(str(path), compilation_level=level, **kw)
-        ex = llm.engine.core.executor
-        ex.collect("reset")
-        runs[level] = (_tokens(llm, prompts, params), ex.collect("experts"))
-        stats = ex.collect("compile")
-        llm.shutdown()
-    assert runs[2] == runs[0]
+    runs = _eager_and_compiled(tiny_model_dir, "mixtral", "experts", tensor_parallel_size=2,
+                               enable_expert_parallel=True, enable_sequence_parallel=sp)
+    stats = runs[2][2]
+    assert runs[2][:2] == runs[0][:2]
     assert all(layer["rank_load"] and sum(layer["rank_load"]) for rank in runs[2][1] for layer in rank)
     assert [s["fallbacks"] for s in stats] == [0, 0] and all(s["compiled"] for s in stats)
 
