@@ -332,8 +332,10 @@ def _marked(kind: StepKind, input_ids: torch.Tensor, positions: torch.Tensor, me
         torch._dynamo.mark_dynamic(input_ids, 0, min=kind.lo, max=hi)
         torch._dynamo.mark_dynamic(positions, 0, min=kind.lo, max=hi)
         marked += [input_ids, positions]
-        if received is not None:  # a pipeline stage's input: [2, tokens, hidden] (`check_parallel` refuses SP here)
-            torch._dynamo.mark_dynamic(received, 1, min=kind.lo, max=hi)
+        if received is not None and received.shape[1] > 1:  # a pipeline stage's input: [2, rows, hidden], rows =
+            # tokens, or with SP over n ranks this rank's shard of the padded tokens (one row up to n tokens)
+            torch._dynamo.mark_dynamic(received, 1, min=2 if received.shape[1] != input_ids.shape[0] else kind.lo,
+                                       max=hi)
             marked.append(received)
     try:
         yield

@@ -63,9 +63,6 @@ def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
     for e in pc.replicated_experts or ():
         if not 0 <= e < arch.num_experts:
             raise RivuletError(f"replicated expert {e} is not one of the model's {arch.num_experts} experts")
-    if config.model.compilation_level > 0 and pc.pipeline_parallel_size > 1 and pc.enable_sequence_parallel:
-        raise RivuletError("--compilation-level 1 and 2 run pipeline parallelism without sequence parallelism "
-                           "(for now); use 0, or leave out --enable-sequence-parallel")
 
 
 class MultiprocExecutor:

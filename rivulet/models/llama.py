@@ -150,10 +150,11 @@ class LlamaModel(nn.Module):
         return self.layers[self.start_layer].input_layernorm.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                received: torch.Tensor | None = None) -> torch.Tensor:
+                received: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers on one (micro-)batch: the final hidden states [T, hidden] on the last stage,
-        else [2, rows, hidden] (hidden + residual) for the next one; `received` is the previous stage's
-        (none on the first). The micro-batches, sends and receives are the runner's (`worker/pipeline.py`)."""
+        else (hidden, residual) [rows, hidden] each for the next one; `received` is what the previous stage
+        sent, the two stacked [2, rows, hidden] (none on the first). The micro-batches, sends and receives are
+        the runner's (`worker/pipeline.py`)."""
         ps = self.parallel
         if received is None:
             x, residual = self.embed_tokens(input_ids), None  # type: ignore[misc]
@@ -164,7 +165,9 @@ class LlamaModel(nn.Module):
         for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(positions, x, residual, meta)
         if not ps.is_last_stage:
-            return torch.stack([x, residual])
+            # stacked by the runner: in a graph the stack's strides over an SP shard made inductor guard on
+            # the shard size beyond the step kind's declared range
+            return x, residual
         x, _ = self.norm(x, residual)  # type: ignore[misc]
         if ps.sp:
             x = sequence_parallel_all_gather(x, ps, input_ids.shape[0])
@@ -196,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         return LlamaMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                received: torch.Tensor | None = None) -> torch.Tensor:
+                received: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [T, hidden] of every token in the flat batch (a pipeline stage's: see `LlamaModel`)."""
         return self.model(input_ids, positions, meta, received)
 

@@ -4,21 +4,22 @@ received from the stage before (but on the first stage), run through this stage'
 stage works on the one it sent.
 
 The model knows nothing of this: its forward runs its stage's layers on one (micro-)batch, taking the
-previous stage's [2, rows, hidden] (hidden states and residual) as `received` and returning the same for
-the next stage (the final hidden states on the last). So the forward compiles as it does on one rank.
+previous stage's [2, rows, hidden] (hidden states and residual, stacked here) as `received` and returning
+the two for the next stage (the final hidden states on the last). So the forward compiles as it does on one
+rank.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from rivulet.distributed import ParallelState, padded_tokens, pipeline_recv, pipeline_send
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout, build_attention_metadata
 
-StageForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "torch.Tensor | None"], torch.Tensor]
+StageForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "torch.Tensor | None"], Any]
 
 
 class PipelineStage:
@@ -46,7 +47,7 @@ class PipelineStage:
             if ps.is_last_stage:
                 outs.append(out)
             else:
-                buf = out.contiguous()
+                buf = torch.stack(out)  # (hidden, residual)
                 pending.append((pipeline_send(buf, ps, async_op=True), buf))
         for work, _ in pending:
             work.wait()

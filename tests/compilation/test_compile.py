@@ -113,18 +113,23 @@ def test_compiled_tensor_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
     assert compiled.cache_dir is None  # ranks compile in-process and save nothing
 
 
-def test_compiled_pipeline_parallel_gives_the_eager_tokens(tiny_model_dir):
-    """-O2 over two pipeline stages in two micro-batches: each stage compiles its forward on one micro-batch (the
-    first from token ids, the second from the [2, tokens, hidden] it receives; the runner sends and receives
-    around it, `worker/pipeline.py`), and the greedy tokens equal the eager engine's. The first stage's steps
-    of one and of more tokens each got a graph, with no fallback; its busy time is counted."""
-    runs = _eager_and_compiled(tiny_model_dir, "llama", "pipeline", pipeline_parallel_size=2, pipeline_micro_batches=2)
+@pytest.mark.parametrize("sp", [False, True], ids=["pp2", "pp2-tp2-sp"])
+def test_compiled_pipeline_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
+    """-O2 over two pipeline stages in two micro-batches (with SP: two stages of two tensor-parallel ranks each,
+    stages passing token shards): each stage compiles its forward on one micro-batch (the first from token ids,
+    the second from the [2, rows, hidden] it receives; the runner sends and receives around it,
+    `worker/pipeline.py`), and the greedy tokens equal the eager engine's. Every rank got a graph for each kind
+    of step, with no fallback; busy time is counted."""
+    parallel = dict(tensor_parallel_size=2, enable_sequence_parallel=True) if sp else {}
+    runs = _eager_and_compiled(tiny_model_dir, "llama", "pipeline", pipeline_parallel_size=2, pipeline_micro_batches=2,
+                               **parallel)
     busy, stats, compiled = [s["busy_s"] for s in runs[2][1]], *runs[2][2:]  # (the first stage's forward)
     assert runs[2][0] == runs[0][0]
     assert compiled.cache_dir is None and all(b > 0 for b in busy)
-    # both stages: a graph for steps of one and of more tokens, none fell back (the second stage's takes what it
-    # receives: a graph traced without it would fail its guards and fall back)
-    assert [(s["compiled"], s["fallbacks"]) for s in stats] == [(["multi-token", "one-token"], 0)] * 2
+    # every rank: a graph for each kind of step, none fell back (the second stage's takes what it receives: a
+    # graph traced without it would fail its guards and fall back)
+    kinds = ["2-2-token", "multi-token-over-2", "one-token"] if sp else ["multi-token", "one-token"]
+    assert [(s["compiled"], s["fallbacks"]) for s in stats] == [(kinds, 0)] * len(stats)
 
 
 def test_step_kinds_split_where_a_graph_would_be_specialized():
@@ -185,14 +190,6 @@ def test_compiled_expert_parallel_gives_the_eager_tokens(sp, tiny_model_dir):
     assert runs[2][:2] == runs[0][:2]
     assert all(layer["rank_load"] and sum(layer["rank_load"]) for rank in runs[2][1] for layer in rank)
     assert [s["fallbacks"] for s in stats] == [0, 0] and all(s["compiled"] for s in stats)
-
-
-def test_compiling_refuses_what_it_cannot_run(tiny_model_dir):
-    """Pipeline with sequence parallelism: a one-line error before any step."""
-    path, _ = tiny_model_dir("mixtral")
-    with pytest.raises(RivuletError, match="pipeline parallelism without sequence parallelism"):
-        LLM(str(path), dtype="float32", max_model_len=64, compilation_level=1, tensor_parallel_size=2,
-            pipeline_parallel_size=2, enable_sequence_parallel=True)
 
 
 @needs_ext
