@@ -231,8 +231,9 @@ class CompiledForward:
             except RuntimeError as e:
                 if not str(e).startswith(_GUARD_FAILED):
                     raise
+                why = " ".join(str(e).split())  # torch lists every guard part: the first few say enough
                 logger.warning("the saved %s graph does not fit this step (%s); using torch.compile",
-                               kind.name, " ".join(str(e).split()))
+                               kind.name, why if len(why) <= 600 else why[:600] + " ...")
                 self._graphs[kind] = None
         self.fallbacks += 1
         with _marked(kind, input_ids, positions, meta, self._kv_caches(), received):

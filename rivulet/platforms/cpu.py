@@ -37,7 +37,11 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
             pass
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     start = -base % _HUGE  # a 2 MiB-aligned start, so every whole 2 MiB of the buffer can be one page
-    return torch.frombuffer(mm, dtype=torch.uint8)[start:start + nbytes]  # the tensor keeps `mm` alive
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    # a storage of its own (offset 0), not a slice of the mapping: a compiled graph guards its inputs'
+    # storage offsets, which a slice would take from wherever mmap put the mapping (the tensor keeps `mm` alive)
+    return torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=nbytes)
 
 
 class Prefaulter(threading.Thread):
