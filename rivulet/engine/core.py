@@ -275,7 +275,9 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 return failed
             self._propose()
-            return failed + self._finish(self._launch(self.scheduler.schedule()))
+            step = self._launch(self.scheduler.schedule())
+            self._fill_bitmask(step)  # (launched in the step thread where async scheduling is on)
+            return failed + self._finish(step)
         nxt = self._launch(self.scheduler.schedule()) if self.scheduler.has_unfinished_requests() else None
         done, self._in_flight = self._in_flight, nxt
         try:

@@ -227,9 +227,11 @@ def test_draft_rows_are_masked_after_the_drafts(llm):
         assert after[0].tolist() == expected([])  # rolled back
 
 
-def test_drafts_are_verified_under_the_grammar():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafts_are_verified_under_the_grammar(async_scheduling):
     """n-gram drafts for constrained requests: greedy tokens equal decoding without drafts (float32), some
-    drafts are accepted, and sampled answers still validate."""
+    drafts are accepted, and sampled answers still validate. With async scheduling asked for (the default on
+    GPUs), draft steps run one at a time and still get their grammar masks (they once waited for one forever)."""
     schema = SCHEMAS["array-enum-range"]
     example = '{"tags": ["red", "green"], "score": 7, "ok": true}'
     msgs = [{"role": "user", "content": f"Copy this JSON exactly: {example}"}]
@@ -237,8 +239,9 @@ def test_drafts_are_verified_under_the_grammar():
     plain = LLM("default", dtype="float32", max_model_len=512)
     want = plain.chat([msgs], greedy, use_tqdm=False)[0].outputs[0].token_ids
     plain.shutdown()
-    llm = LLM("default", dtype="float32", max_model_len=512,
+    llm = LLM("default", dtype="float32", max_model_len=512, async_scheduling=async_scheduling,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert llm.engine.core.async_scheduling == async_scheduling
     got = llm.chat([msgs], greedy, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want
     jsonschema.validate(json.loads(got.text), schema)
