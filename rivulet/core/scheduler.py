@@ -12,6 +12,7 @@ from rivulet.core.kv_tier import KVTier
 from rivulet.core.outputs import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from rivulet.core.request import Request, RequestStatus
 from rivulet.core.request_queue import RequestQueue
+from rivulet.core.tier_loads import TierLoads
 
 
 @dataclass
@@ -39,10 +40,8 @@ class Scheduler:
     the updates); a request whose in-flight token surely ends it (its last allowed token) is
     not scheduled again. Called strictly in turn, it behaves as a synchronous scheduler.
 
-    With a KV tier, a waiting request whose next blocks are in host memory or on disk is given device
-    blocks for them and waits (WAITING_FOR_KV, no step's budget spent) while the worker loads them; once
-    the load is reported (``update_kv_tier``) the blocks are in the device pool's prefix cache and the
-    request waits again, at its old place, to be admitted with them as prefix hits.
+    With a KV tier, a waiting request whose next blocks are in host memory or on disk waits for them to be
+    loaded (``TierLoads``; the worker's reports come in through ``update_kv_tier``).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -68,9 +67,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # since the last schedule()
         self._error_outputs: list[EngineCoreOutput] = []  # not yet returned
         self.kv_tier = kv_tier if kv_tier is not None and kv_tier.enabled else None
-        if self.kv_tier is not None:
-            kv_cache_manager.block_pool.listeners.append(self.kv_tier.on_event)
-        self.loading: dict[str, Request] = {}  # WAITING_FOR_KV (or finished meanwhile) until the load reports
+        self.tier_loads = TierLoads(self.kv_tier, kv_cache_manager) if self.kv_tier is not None else None
+        # WAITING_FOR_KV (or finished meanwhile) until the load reports
+        self.loading: dict[str, Request] = self.tier_loads.loading if self.tier_loads is not None else {}
 
     # ---- requests in and out ----
 
@@ -282,13 +281,14 @@ class Scheduler:
                 self._fail_too_big(req, req.num_tokens)
                 continue
             hit_ids, num_hit = kv.get_computed_blocks(req)
-            if self.kv_tier is not None and req.use_prefix_cache and not req.skip_kv_tier:
-                found = self._tier_lookup(req, num_hit)
+            if self.tier_loads is not None and req.use_prefix_cache and not req.skip_kv_tier:
+                found = self.tier_loads.lookup(req, num_hit)
                 if found is None:
                     break  # some of its blocks are being loaded for another request: they come first
                 if found:
-                    if not self._start_load(req, hit_ids, num_hit, found, out):
-                        break
+                    if not self.tier_loads.start(req, hit_ids, num_hit, found, out):
+                        break  # no device blocks for them yet
+                    self.waiting.pop_front()
                     continue
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, budget)
             if num_new <= 0:
@@ -321,62 +321,11 @@ class Scheduler:
         running |= {r.lora.lora_int_id for r in self.loading.values() if r.lora is not None}
         return lora_id in running or len(running) < self.max_loras
 
-    # ---- the KV tier ----
-
-    def _tier_lookup(self, req: Request, num_hit: int) -> list[tuple[bytes, int]] | None:
-        """The request's blocks after its device hits found in the KV tier (None: wait for a load)."""
-        assert self.kv_tier is not None
-        kv = self.kv_cache_manager
-        first, end = num_hit // kv.block_size, (req.num_tokens - 1) // kv.block_size
-        if end <= first:
-            return []
-        keys = kv.block_keys(req, first, end)
-        found = self.kv_tier.lookup(keys)
-        if found is not None:
-            self.kv_tier.count_lookup(found, len(keys))
-        return found
-
-    def _start_load(self, req: Request, hit_ids: list[int], num_hit: int, found: list[tuple[bytes, int]],
-                    out: SchedulerOutput) -> bool:
-        """Give the head of the queue device blocks for its tier hits and ask the worker to fill them."""
-        assert self.kv_tier is not None
-        kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
-        if kv.allocate_slots(req, len(found) * bs, hit_ids, register=False) is None:
-            return False
-        self.waiting.pop_front()
-        req.status = RequestStatus.WAITING_FOR_KV
-        first = num_hit // bs
-        block_ids = kv.get_block_ids(req.request_id)[first:first + len(found)]
-        tokens = req.all_token_ids
-        token_ids = [tokens[(first + j) * bs:(first + j + 1) * bs] for j in range(len(found))]
-        out.kv_loads[req.request_id] = self.kv_tier.start_load(req.request_id, found, block_ids, token_ids)
-        req.num_computed_tokens = num_hit
-        self.loading[req.request_id] = req
-        return True
-
     def update_kv_tier(self, loaded: dict[str, int], dropped: list[str], disk_error: str | None = None) -> None:
-        """Take the worker's KV tier report: finished loads (request id -> blocks loaded before the first
-        that failed), block keys whose files are gone or bad, a disk failure that ends the disk tier."""
-        tier = self.kv_tier
-        if tier is None:
-            return
-        if disk_error is not None and tier.disk_blocks:
-            tier.disable_disk(disk_error)
-        tier.drop(dropped)
-        kv = self.kv_cache_manager
-        for rid, num_ok in loaded.items():
-            req = self.loading.pop(rid, None)
-            if req is None:
-                continue
-            asked = tier.finish_load(rid, num_ok)
-            if not req.is_finished:  # (a request finished while loading gave its blocks back only now)
-                if num_ok < asked:
-                    req.skip_kv_tier = True  # its next admission computes what failed to load
-                kv.cache_loaded(req, req.num_computed_tokens + num_ok * kv.block_size)
-                req.num_computed_tokens = 0
-                req.status = RequestStatus.WAITING
+        """Take the worker's KV tier report (`TierLoads.report`): loaded requests wait again."""
+        if self.tier_loads is not None:
+            for req in self.tier_loads.report(loaded, dropped, disk_error):
                 self.waiting.add(req)
-            kv.free(req)  # the loaded blocks stay in the prefix cache: its admission hits them
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Drop ``req``'s KV (it is recomputed later) and put it back in the waiting queue."""
