@@ -24,6 +24,14 @@ def json_object(name: str, value: Any) -> dict[str, Any]:
     return value
 
 
+def check_at_least_one(config: object, *names: str) -> None:
+    """Each named field, where set (not None), is an integer >= 1; else a one-line error naming its flag."""
+    for name in names:
+        v = getattr(config, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise RivuletError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
+
+
 class RivuletError(ValueError):
     """A user-facing error: bad input, missing files, unsupported model.
 
@@ -57,6 +65,7 @@ class ModelConfig:
     pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        check_at_least_one(self, "max_model_len")
         if self.compilation_level not in (0, 1, 2):
             raise RivuletError(f"compilation_level must be 0 (eager), 1 (torch.compile) or 2 (torch.compile and "
                                f"fusion passes), not {self.compilation_level!r}")
@@ -84,6 +93,9 @@ class CacheConfig:
     kv_tier_disk_bytes: int | None = None  # the disk tier's budget; None: 8 GiB, less if the disk has less free
 
     def __post_init__(self) -> None:
+        check_at_least_one(self, "block_size")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise RivuletError(f"num_kv_blocks (--num-kv-blocks) must be an integer >= 1, got {self.num_blocks!r}")
         for name in ("kv_offload_memory", "kv_tier_disk_bytes"):
             v = getattr(self, name)
             if v is not None and v < 0:
@@ -127,6 +139,14 @@ class ParallelConfig:
     data_parallel_size: int = 1  # engine replicas behind one `rivulet serve` (each a tp x pp engine of its own)
     data_parallel_backend: str = "mp"  # "mp": replica engines are processes here; "ray": Ray actors
     cpus: list[int] | None = None  # the cores this engine's processes run on (a replica's share); None: all
+
+    def __post_init__(self) -> None:
+        check_at_least_one(self, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                           "pipeline_micro_batches")
+        if self.pipeline_micro_batches is not None and self.pipeline_parallel_size == 1:
+            raise RivuletError("pipeline_micro_batches (--pipeline-micro-batches) is for --pipeline-parallel-size > 1")
+        if self.replicated_experts and not self.enable_expert_parallel:
+            raise RivuletError("replicated_experts (--replicated-experts) are for --enable-expert-parallel")
 
     @property
     def world_size(self) -> int:
@@ -212,10 +232,7 @@ class LoRAConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise RivuletError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
+        check_at_least_one(self, "max_loras", "max_lora_rank")
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,6 @@ def check_tensor_parallel(arch: ArchConfig, tp: int, expert_parallel: bool = Fal
 def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
     """All the one-line checks of a parallel configuration against the model."""
     pc = config.parallel
-    if pc.tensor_parallel_size < 1 or pc.pipeline_parallel_size < 1:
-        raise RivuletError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
     check_tensor_parallel(arch, pc.tensor_parallel_size, pc.enable_expert_parallel)
     if pc.pipeline_parallel_size > arch.num_hidden_layers:
         raise RivuletError(f"pipeline_parallel_size {pc.pipeline_parallel_size} exceeds the model's "

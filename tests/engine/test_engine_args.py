@@ -22,7 +22,7 @@ def test_every_field_is_a_flag_of_every_engine_command() -> None:
 def test_flags_reach_the_engine_config() -> None:
     a = build_parser().parse_args(
         ["serve", "--max-num-seqs", "7", "--no-async-scheduling", "--no-enable-prefix-caching", "-tp", "3",
-         "--replicated-experts", "1", "4", "-q", "int4", "--block-size", "32", "--enforce-eager"])
+         "--enable-expert-parallel", "--replicated-experts", "1", "4", "-q", "int4", "--block-size", "32", "--enforce-eager"])
     cfg = EngineArgs.from_cli_args(a).create_engine_config()
     assert cfg.scheduler.max_num_seqs == 7 and cfg.scheduler.async_scheduling is False
     assert cfg.cache.enable_prefix_caching is False and cfg.cache.block_size == 32
@@ -45,6 +45,24 @@ def test_defaults_agree_between_cli_and_dataclass() -> None:
 def test_unknown_llm_keyword_is_a_clear_error() -> None:
     with pytest.raises(RivuletError, match="unknown engine argument.*max_num_seq\\b"):
         EngineArgs.from_kwargs("default", {"max_num_seq": 4})
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--block-size", "0"], "block_size \\(--block-size\\) must be an integer >= 1, got 0"),
+    (["--num-kv-blocks", "-3"], "--num-kv-blocks\\) must be an integer >= 1, got -3"),
+    (["--max-model-len", "0"], "--max-model-len\\) must be an integer >= 1, got 0"),
+    (["-tp", "0"], "--tensor-parallel-size\\) must be an integer >= 1"),
+    (["-pp", "0"], "--pipeline-parallel-size\\) must be an integer >= 1"),
+    (["--pipeline-micro-batches", "0", "-pp", "2"], "--pipeline-micro-batches\\) must be an integer >= 1"),
+    (["--pipeline-micro-batches", "2"], "is for --pipeline-parallel-size > 1"),
+    (["--replicated-experts", "1"], "are for --enable-expert-parallel"),
+])
+def test_flags_out_of_range_are_one_line_errors(flags, words) -> None:
+    """Values that once crashed (block size 0: a division by zero) or were ignored (a context of 0 tokens,
+    0 ranks, micro-batches without pipeline stages, replicated experts without expert parallelism)."""
+    a = build_parser().parse_args(["generate", *flags])
+    with pytest.raises(RivuletError, match=words):
+        EngineArgs.from_cli_args(a).create_engine_config()
 
 
 def test_kv_tier_flags_and_their_errors(tiny_model_dir, tmp_path) -> None:
