@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,19 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def _check_writable(path: str | None, flag: str) -> None:
+    """Fail before a run, not after it, where its results could not be written."""
+    if not path:
+        return
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RivuletError(f"{flag} {path}: cannot create {parent}: {e.strerror or e}") from None
+    if not os.access(parent, os.W_OK) or Path(path).is_dir():
+        raise RivuletError(f"{flag} {path}: not a writable file path")
+
+
 def _parse_sweep(spec: str | None, over: str) -> list[float] | None:
     if not spec:
         return None
@@ -149,6 +163,10 @@ def _check_serve_args(a: argparse.Namespace) -> list[float] | None:
         raise RivuletError("--prompts-per-concurrency needs a positive K and --sweep over concurrency")
     if a.num_warmups < 0:
         raise RivuletError("--num-warmups must be >= 0")
+    if not a.timeout > 0:
+        raise RivuletError(f"--timeout must be > 0 seconds: got {a.timeout}")
+    _check_writable(a.result_json, "--result-json")
+    _check_writable(a.plot, "--plot")
     if a.endpoint == "chat" and a.prompt_format == "ids":
         raise RivuletError("--endpoint chat needs --prompt-format text")
     a.slo_ms = parse_slo(a.slo)
@@ -221,6 +239,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 def cmd_bench_throughput(a: argparse.Namespace) -> int:
     from rivulet.bench.offline import run_throughput
 
+    _check_writable(a.result_json, "--result-json")
+
     backends = [b.strip() for b in a.backend.split(",") if b.strip()]
     result = run_throughput(a.model, backends, [a.dtype], a.num_prompts, a.input_len, a.output_len, a.seed,
                             log=lambda r: print(json.dumps(r), flush=True), **_llm_kwargs(a))
@@ -230,6 +250,8 @@ def cmd_bench_throughput(a: argparse.Namespace) -> int:
 
 def cmd_bench_latency(a: argparse.Namespace) -> int:
     from rivulet.bench.offline import run_latency
+
+    _check_writable(a.result_json, "--result-json")
 
     result = run_latency(a.model, a.dtype, a.input_len, a.output_len, a.num_iters, a.num_iters_warmup, a.profile,
                          a.seed, log=lambda r: print(json.dumps(r, indent=2), flush=True), **_llm_kwargs(a))

@@ -223,6 +223,10 @@ def make_requests(dataset: str, tokenizer: Any, num: int, input_len: int, output
         raise RivuletError("--num-prompts, --input-len and --output-len must be >= 1")
     if not 0 <= range_ratio < 1:
         raise RivuletError(f"--range-ratio must be in [0, 1): got {range_ratio}")
+    if dataset != "shared-prefix" and (prefix_len is not None or num_prefixes != 1):
+        raise RivuletError("--prefix-len and --num-prefixes are for --dataset shared-prefix")
+    if dataset != "jsonl" and dataset_path:
+        raise RivuletError("--dataset-path is for --dataset jsonl")
     if dataset == "random":
         return random_requests(tokenizer, num, input_len, output_len, range_ratio, prompt_format, seed)
     if dataset == "shared-prefix":

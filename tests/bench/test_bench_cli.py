@@ -35,6 +35,10 @@ SERVE = ["bench", "serve", "--disable-tqdm"]
     (["--max-concurrency", "2", "--extra-body", "[1]"], "bad --extra-body"),
     (["--max-concurrency", "2", "--base-url", "localhost:1"], "bad --base-url"),
     (["--max-concurrency", "2", "--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9"),
+    (["--max-concurrency", "2", "--timeout", "0"], "--timeout must be > 0"),
+    # checked before the run (which once ran to its end, then failed to write)
+    (["--max-concurrency", "2", "--result-json", "/proc/no/such/r.json"], "--result-json /proc/no/such/r.json: cannot"),
+    (["--max-concurrency", "2", "--result-json", "/"], "not a writable file path"),
 ])
 def test_serve_bad_input(capsys, args, fragment):
     assert fragment in _error_line(capsys, SERVE + args)

@@ -49,6 +49,13 @@ def test_shared_prefix_prompts_share_their_start(default_tokenizer):
     assert len(set(heads)) == 3 and heads[::2] != heads[1::2]  # 3 prefixes, not in a fixed rotation
     with pytest.raises(RivuletError, match="--num-prefixes"):
         make_requests("shared-prefix", default_tokenizer, 4, 32, 4, num_prefixes=0)
+    for other in ("random", "copy"):  # ignored there once, silently
+        with pytest.raises(RivuletError, match="are for --dataset shared-prefix"):
+            make_requests(other, default_tokenizer, 4, 32, 4, prefix_len=8)
+        with pytest.raises(RivuletError, match="are for --dataset shared-prefix"):
+            make_requests(other, default_tokenizer, 4, 32, 4, num_prefixes=2)
+    with pytest.raises(RivuletError, match="--dataset-path is for --dataset jsonl"):
+        make_requests("random", default_tokenizer, 4, 32, 4, dataset_path="p.jsonl")
 
 
 def test_jsonl_dataset_counts_tokens_and_cycles(default_tokenizer, tmp_path):
