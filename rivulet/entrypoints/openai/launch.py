@@ -68,6 +68,10 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 def settings_from_args(a: argparse.Namespace) -> ServerSettings:
     """The ServerSettings the command line asks for."""
+    if not 0 <= a.port <= 65535:
+        raise RivuletError(f"--port must be in 0..65535, got {a.port}")
+    if any(not name.strip() for name in a.served_model_name or ()):
+        raise RivuletError("--served-model-name: a name cannot be empty")
     if a.max_queue is not None and a.max_queue < 0:
         raise RivuletError("--max-queue must be >= 0")
     if a.drain_timeout < 0:
