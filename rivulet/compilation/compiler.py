@@ -215,7 +215,8 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  received: torch.Tensor | None = None) -> torch.Tensor:
-        """`received`: a pipeline stage's input from the stage before (`worker/pipeline.py`)."""
+        """`received`: a pipeline stage's input from the stage before (`worker/pipeline.py`); passed on only
+        where given, so a model without pipeline stages (an encoder) keeps its three-argument forward."""
         kind = next(k for k in self.kinds if k.takes(input_ids.shape[0]))
         if kind not in self._graphs:
             loading = self._loading.pop(kind, None)
@@ -227,7 +228,7 @@ class CompiledForward:
         graph = self._graphs[kind]
         if graph is not None:
             try:
-                return graph(self.model, input_ids, positions, meta, received)
+                return graph(self.model, *_args(input_ids, positions, meta, received))
             except RuntimeError as e:
                 if not str(e).startswith(_GUARD_FAILED):
                     raise
@@ -280,7 +281,7 @@ class CompiledForward:
             with torch._dynamo.config.patch(specialize_float=True), \
                     torch._inductor.config.patch(self._inductor_options()):
                 fn = torch.compile(type(self.model).forward, fullgraph=True)
-                graph = fn.aot_compile(((self.model, input_ids, positions, meta, received), {}))
+                graph = fn.aot_compile(((self.model, *_args(input_ids, positions, meta, received)), {}))
         except Exception as e:  # noqa: BLE001 - the in-process compile still works
             logger.warning("ahead-of-time compile of the %s graph failed (%s: %s); using torch.compile", kind,
                            type(e).__name__, e)
@@ -302,7 +303,12 @@ class CompiledForward:
                      received: torch.Tensor | None) -> torch.Tensor:
         if self._jit is None:
             self._jit = torch.compile(self.model, fullgraph=True, options=self._inductor_options() or None)
-        return self._jit(input_ids, positions, meta, received)
+        return self._jit(*_args(input_ids, positions, meta, received))
+
+
+def _args(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+          received: torch.Tensor | None) -> tuple:
+    return (input_ids, positions, meta) if received is None else (input_ids, positions, meta, received)
 
 
 _MAX_TOKENS = 1 << 30  # "no upper bound" for a range Dynamo is given (it wants a number)

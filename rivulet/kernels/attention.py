@@ -151,10 +151,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.softmax(s, dim=-1).to(v.dtype) @ v
 
 
+@graph_op("rivulet_ref", "varlen_attention", lambda q, k, v, query_start_loc, scale, max_waste=1.25: torch.empty_like(q))
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
                      scale: float, max_waste: float = 1.25) -> torch.Tensor:
     """Bidirectional attention of an encoder: each sequence of the flat batch attends to all of its own
-    tokens and no other's, nothing cached. q [T, H, D], k and v [T, Hk, D] -> [T, H, D].
+    tokens and no other's, nothing cached. q [T, H, D], k and v [T, Hk, D] -> [T, H, D]. One op in a
+    compiled graph (its grouping reads the sequence lengths on the host).
 
     Sequences of similar length are padded to the longest of their group and run as one fused SDPA with a
     key mask; a group closes when padding would make its n * L^2 work more than `max_waste` times the

@@ -305,7 +305,8 @@ def test_kernel_ops_have_faithful_fake_implementations(dtype):
     cases += [(torch.ops.rivulet_ref.fused_moe.default, (x, w13, w2, *topk)),
               (torch.ops.rivulet_cpu.packed_fused_moe.default, (x, list(w13), list(w2), *topk)),
               (torch.ops.rivulet_ref.write_latent_cache.default, (x[:, :24], _rand(1, nb, bs, 1, 24, dtype=dtype),
-                                                                 torch.tensor([0, 5, 9, 2, 23])))]
+                                                                 torch.tensor([0, 5, 9, 2, 23]))),
+              (torch.ops.rivulet_ref.varlen_attention.default, (q, k, k.clone(), torch.tensor([0, 2, 5]), 0.25, 1.25))]
     if dtype == torch.bfloat16 and hasattr(ext, "bf16_linear") and ext.bf16_linear_available():
         cases.append((ops.bf16_linear.default, (x, ext.bf16_pack_weight(_rand(48, 32, dtype=dtype)), None)))
         cases.append((torch.ops.rivulet_cpu.packed_fused_moe.default,

@@ -130,3 +130,18 @@ def test_matryoshka_models_cut_to_the_dimensions_asked(tiny_model_dir, tmp_path)
     with pytest.raises(RivuletError, match="exceeds the model's embedding size"):
         llm.embed(prompt, PoolingParams(dimensions=65), use_tqdm=False)
     llm.shutdown()
+
+
+def test_compiled_encoder_gives_the_eager_embeddings(tmp_path, monkeypatch) -> None:
+    """`-O 1` on an encoder, whose forward takes no pipeline input (it once crashed: the compiled forward
+    passed one)."""
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    runs = []
+    for level in (0, 1):
+        llm = LLM(str(minilm_dir()), task="embed", dtype="float32", compilation_level=level)
+        runs.append(torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]))
+        runs.append(torch.tensor(llm.embed(TEXTS[2], use_tqdm=False)[0].outputs.embedding))
+        compiled = llm.engine.core.executor.runner.forward_fn
+        llm.shutdown()
+    assert compiled.compiled and compiled.fallbacks == 0
+    assert torch.allclose(runs[2], runs[0], atol=1e-5) and torch.allclose(runs[3], runs[1], atol=1e-5)
