@@ -56,6 +56,8 @@ def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
     if pc.pipeline_parallel_size > arch.num_hidden_layers:
         raise RivuletError(f"pipeline_parallel_size {pc.pipeline_parallel_size} exceeds the model's "
                            f"{arch.num_hidden_layers} layers")
+    if pc.pipeline_parallel_size > 1 and arch.is_encoder:  # (checked here too: before any rank starts)
+        raise RivuletError("encoder models run without pipeline parallelism")
     if pc.enable_expert_parallel and not arch.is_moe:
         raise RivuletError("--enable-expert-parallel needs a mixture-of-experts model")
     for e in pc.replicated_experts or ():

@@ -206,6 +206,7 @@ def test_default_model_pp2_and_dead_worker(default_reference):
 
 def test_clear_errors(tiny_model_dir):
     """The executor's checks, without starting ranks (the CLI prints these on one line)."""
+    from helpers.minilm import minilm_dir
     from rivulet.config import EngineConfig, ParallelConfig
     from rivulet.executor.multiproc import check_parallel
     from rivulet.models.loader import load_arch_config, resolve_model
@@ -224,6 +225,9 @@ def test_clear_errors(tiny_model_dir):
         check(mixtral, tensor_parallel_size=3, enable_expert_parallel=True)
     with pytest.raises(RivuletError, match="replicated expert 7 is not one of the model's 4 experts"):
         check(mixtral, tensor_parallel_size=2, enable_expert_parallel=True, replicated_experts=[7])
+    minilm = load_arch_config(resolve_model(str(minilm_dir())))[0]
+    with pytest.raises(RivuletError, match="encoder models run without pipeline parallelism"):
+        check(minilm, pipeline_parallel_size=2)  # (once raised by rank 1, its traceback printed)
     check(default, tensor_parallel_size=3, pipeline_parallel_size=2)  # fine: 9 heads / 3, 30 layers / 2
 
 
