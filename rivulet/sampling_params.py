@@ -100,7 +100,8 @@ class SamplingParams:
     those filters.  ``temperature`` 0 (below ``GREEDY_TEMPERATURE_EPS``) or
     ``top_k`` 1 means greedy decoding.  ``logprobs`` asks for the top-N logprobs
     of each sampled position plus the sampled token's own; ``prompt_logprobs``
-    the same for every prompt position.
+    the same for every prompt position.  ``truncate_prompt_tokens`` keeps only the
+    prompt's last N tokens (-1: as many as the context holds), as in vLLM.
     """
 
     n: int = 1
@@ -123,6 +124,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -154,6 +156,9 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise RivuletError(f"seed must be an integer or None, got {self.seed!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or (t < 1 and t != -1)):
+            raise RivuletError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
 
     def _validate_sampling(self) -> None:
         if not _is_real(self.temperature) or self.temperature < 0:

@@ -105,10 +105,15 @@ class RequestProcessor:
             raise RivuletError("this model serves embeddings (--task embed): ask it for them (LLM.embed, "
                                "/v1/embeddings), not for text" if self.task == "embed" else
                                "this model generates text: embeddings need a model started with --task embed")
-        truncate = params.truncate_prompt_tokens if isinstance(params, PoolingParams) else None
-        text, ids = self.tokenize_prompt(prompt, self.max_model_len if truncate == -1 else truncate)
+        truncate = params.truncate_prompt_tokens
+        if truncate == -1:
+            truncate = self.max_model_len
         if isinstance(params, PoolingParams):
+            text, ids = self.tokenize_prompt(prompt, truncate)
             return [self._pooling_request(request_id, text, ids, params, priority, lora)]
+        text, ids = self.tokenize_prompt(prompt)
+        if truncate is not None and len(ids) > truncate:  # a generation keeps its prompt's end (vLLM's left cut)
+            text, ids = None, ids[-truncate:]
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not (isinstance(salt, str) and salt):
             raise RivuletError(f"cache_salt must be a non-empty string, not {salt!r}")

@@ -193,3 +193,21 @@ def test_seeded_tokens_depend_on_seed_and_position_only(llm):
                             use_tqdm=False)[0].outputs[0].token_ids
         assert full[:k] + rest == full
     assert _text(llm, **{**sp, "seed": 78}).token_ids != full
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    """vLLM's left cut: the last N tokens of the prompt (-1: as many as the context holds)."""
+    long = " ".join(f"w{i}" for i in range(700))  # > 1024 tokens
+    full = llm.get_tokenizer()(long).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(long, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, truncate_prompt_tokens=50),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == full[-50:]
+    alone = llm.generate({"prompt_token_ids": full[-50:]}, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids  # the same prompt to the model
+    with pytest.raises(ValueError, match="maximum context"):
+        llm.generate(long, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context"):  # -1: the whole context, no room for an output
+        llm.generate(long, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)

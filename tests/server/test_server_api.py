@@ -236,6 +236,28 @@ def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
     assert r.status_code == 200
 
 
+def test_truncate_prompt_tokens_and_a_request_chat_template(http: httpx.Client) -> None:
+    """vLLM's `truncate_prompt_tokens` keeps a prompt's last N tokens (it was ignored: a prompt over the context
+    was refused); a chat request's own `chat_template` renders its prompt (it was ignored)."""
+    long = " ".join(["river"] * 700)  # over the 512-token context
+    r = http.post("/v1/completions", json={"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 100})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    assert http.post("/v1/completions", json={"prompt": long, "max_tokens": 2}).status_code == 400
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    bare = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "chat_template": bare})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tokenize(http, CHAT[0]["content"], add_special_tokens=False))
+    t = http.post("/tokenize", json={"messages": CHAT, "chat_template": bare}).json()
+    assert t["tokens"] == tokenize(http, CHAT[0]["content"], add_special_tokens=False)
+    err = assert_error_body(http.post("/v1/chat/completions", json={"messages": CHAT, "chat_template": "{{ bad"}), 400)
+    assert "chat template" in err["message"]
+    err = assert_error_body(http.post("/v1/completions", json={"prompt": PROMPT, "truncate_prompt_tokens": 0}), 400)
+    assert "truncate_prompt_tokens" in err["message"]
+
+
 def test_tokenize_detokenize(http: httpx.Client, client: openai.OpenAI) -> None:
     t = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
     assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) and t["max_model_len"] == 512

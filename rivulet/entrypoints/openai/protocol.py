@@ -120,6 +120,7 @@ class SamplingFields(OpenAIRequest):
     priority: Int64 = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # only requests with the same salt share cached KV
     return_token_ids: bool = False  # answer with the prompt's and the choices' token ids (a router resumes with them)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None  # keep the prompt's last N
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -178,6 +179,7 @@ class SamplingFields(OpenAIRequest):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property
@@ -297,6 +299,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # a Jinja template in place of the server's and the model's
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -360,6 +363,7 @@ class TokenizeRequest(OpenAIRequest):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False

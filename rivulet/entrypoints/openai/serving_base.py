@@ -150,6 +150,11 @@ class ServerContext:
             return await asyncio.to_thread(self.tokenize, prompt, add_special_tokens)
         return self.tokenize(prompt, add_special_tokens)
 
+    def truncate_prompt(self, text: str | None, ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the context holds)."""
+        n = self.engine.model_info.max_model_len if keep == -1 else keep
+        return (text, ids) if n is None or len(ids) <= n else (None, ids[-n:])
+
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids ("" without a tokenizer)."""
         tok = self.engine.tokenizer

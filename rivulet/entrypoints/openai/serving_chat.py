@@ -104,11 +104,13 @@ class ChatHandler:
         handed_over = False
         try:
             args = (ctx.engine.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                    body.chat_template_kwargs, plan.render, settings.chat_template)
+                    body.chat_template_kwargs, plan.render, body.chat_template or settings.chat_template)
             size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
             ctx.check_prompt_chars(size)
             # a long conversation is rendered and tokenized in a thread: the event loop keeps serving the others
             text, ids = await asyncio.to_thread(render_chat, *args) if size > OFF_LOOP_CHARS else render_chat(*args)
+            text, ids = ctx.truncate_prompt(text, ids, body.truncate_prompt_tokens)
+            text = ctx.decode(ids) if text is None else text  # (cut: the text of what is kept)
             params = body.to_sampling_params(ctx.default_max_tokens(len(ids)))
             if plan.structured is not None:
                 if params.structured_outputs is not None:

@@ -54,7 +54,8 @@ class CompletionHandler:
         try:
             items = []
             for p in prompts:
-                text, ids = await ctx.tokenize_off_loop(p, body.add_special_tokens)
+                text, ids = ctx.truncate_prompt(*await ctx.tokenize_off_loop(p, body.add_special_tokens),
+                                                body.truncate_prompt_tokens)
                 items.append(_Prompt(text, ids, body.to_sampling_params(ctx.default_max_tokens(len(ids)))))
             request_id = f"cmpl-{uuid.uuid4().hex}"
             for i, item in enumerate(items):

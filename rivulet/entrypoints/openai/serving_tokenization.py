@@ -32,7 +32,8 @@ class TokenizationHandler:
             if not body.messages:
                 raise OpenAIError(400, "messages is empty", param="messages")
             text, ids = render_chat(tok, body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    body.chat_template_kwargs, body.tools, self.ctx.settings.chat_template)
+                                    body.chat_template_kwargs, body.tools,
+                                    body.chat_template or self.ctx.settings.chat_template)
             if body.add_special_tokens:
                 ids = list(tok(text, add_special_tokens=True).input_ids)  # type: ignore[operator]
         else:
