@@ -9,12 +9,15 @@ bound what one request may ask for (``n``, logprobs). ``SamplingParams`` still c
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from rivulet.config import RivuletError
+
+logger = logging.getLogger(__name__)
 from rivulet.sampling_params import (MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams,
                                      StructuredOutputsParams)
 
@@ -51,7 +54,8 @@ def as_prompt_list(x: str | list[Any]) -> list[str | list[int]]:
 
 
 class OpenAIRequest(BaseModel):
-    """Base of request bodies: unknown fields allowed and ignored, strings must be valid Unicode."""
+    """Base of request bodies: unknown fields allowed and ignored (named in a warning, as vLLM does: a
+    misspelt field shows in the log), strings must be valid Unicode."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -61,6 +65,13 @@ class OpenAIRequest(BaseModel):
         if _has_lone_surrogate(data):
             raise ValueError("the request contains a string that is not valid Unicode (a lone surrogate)")
         return data
+
+    @model_validator(mode="after")
+    def _name_ignored_fields(self) -> OpenAIRequest:
+        if self.model_extra:
+            logger.warning("%s: ignored the unknown field(s) %s", type(self).__name__,
+                           ", ".join(sorted(self.model_extra)[:20]))
+        return self
 
 
 class StreamOptions(BaseModel):
