@@ -89,9 +89,8 @@ class ModelRunner:
         self.speculative = speculative
         self.lora: LoRAManager | None = None
         if lora is not None:
-            if model_config.compilation_level > 0 or speculative is not None:
-                raise RivuletError("LoRA adapters run with --compilation-level 0 and without speculative decoding "
-                                   "(for now)")
+            if model_config.compilation_level > 0:
+                raise RivuletError("LoRA adapters run with --compilation-level 0 (for now)")
             self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
             self.use_cuda_graphs = self.use_decode_program = False  # the adapters' segments change from step to step
         self.forward_fn = self.model  # the compiled forward at --compilation-level 1 and 2

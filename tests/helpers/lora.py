@@ -40,7 +40,8 @@ def peft_tokens(base: Path, adapter: Path | None, prompt: list[int], n: int = 10
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(hf, adapter) if adapter is not None else hf
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # an explicit mask: without one, generate masks out every token equal to pad_token_id
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()

@@ -54,6 +54,31 @@ def test_adapters_and_base_mixed_in_one_batch_match_peft(llama_adapters):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_each_adapters_tokens(llama_adapters, method):
+    """Drafts verified under each request's adapter: n-gram lookups, or the base model as the draft model
+    (its guesses are the base's, so adapters' requests reject some): PEFT's greedy tokens either way. (LoRA
+    with speculative decoding was refused before.)"""
+    root = llama_adapters
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(0, 256, (5,), generator=g).tolist()
+    prompts = [motif * 4 + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 1, 6)]
+    names = [*ADAPTERS, None]
+    loras = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
+    spec = {"method": method, "num_speculative_tokens": 3, **({"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+                                                             if method == "ngram" else {"model": str(root / "base")})}
+    llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=4, speculative_config=spec)
+    try:
+        got = _tokens(llm, prompts, loras)
+        stats = llm.engine.core.spec_stats
+    finally:
+        llm.shutdown()
+    assert got == [_peft_tokens(root / "base", root / n if n else None, p) for n, p in zip(names, prompts)]
+    assert stats.num_draft_tokens > 0, stats  # drafts were verified
+    if method == "draft_model":  # the base request takes its draft's guesses, the adapters' do not all
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
 def test_more_adapters_than_slots_take_turns(llama_adapters):
     """One slot, three adapters and the base in one call: requests wait for the slot, adapters are
     evicted and reloaded, and every output is still its adapter's."""
