@@ -103,7 +103,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []
-        self.grammar: Any = None  # structured output: the request's grammar matcher (opaque here)
+        self.grammar: Any = None  # structured output: the request's grammar matcher (opaque here but `ended`)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prefix-cache hit tokens; -1 until first scheduled

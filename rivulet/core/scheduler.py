@@ -439,12 +439,14 @@ class Scheduler:
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
 
     def _check_stop(self, req: Request) -> bool:
-        """Set a finished status if the last token ends ``req``; EOS/stop ids wait for min_tokens."""
+        """Set a finished status if the last token ends ``req``; EOS/stop ids wait for min_tokens, unless the
+        request's grammar ended with it (the sampler lets a grammar that allows only its end end the output)."""
         token_id = req.output_token_ids[-1]
-        if req.num_output_tokens >= req.min_tokens:
-            if token_id in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
+        long_enough = req.num_output_tokens >= req.min_tokens
+        if token_id in req.eos_token_ids and (long_enough or (req.grammar is not None and req.grammar.ended)):
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if long_enough:
             if token_id in req.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token_id

@@ -3,7 +3,8 @@
 Order of operations on the logits of one step (vLLM v1 order):
 
 1. logit bias (additive),
-2. min-tokens mask (eos / stop token ids -> -inf while the output is too short),
+2. min-tokens mask (eos / stop token ids -> -inf while the output is too short; not where it would
+   leave a row nothing: a grammar that allows only its end ends the output, min_tokens or not),
 3. penalties: repetition (HF/vLLM), then frequency and presence (OpenAI),
 4. greedy rows take the argmax here,
 5. temperature,
@@ -100,7 +101,9 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     if metadata.min_tokens_rows is None:
         return logits
     index = (metadata.min_tokens_rows, metadata.min_tokens_tokens)
-    return logits.index_put(index, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
+    masked = logits.index_put(index, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
+    # a row the grammar bitmask left only its stop tokens: it keeps them (no host sync)
+    return torch.where(torch.isneginf(masked).all(dim=-1, keepdim=True), logits, masked)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -41,6 +41,11 @@ class RequestGrammar:
         self.active = not self.after
         self._recent: list[int] = []
 
+    @property
+    def ended(self) -> bool:
+        """The grammar took its end (a stop token): nothing may follow, min_tokens or not."""
+        return self.active and self.matcher.is_terminated()
+
     def accept(self, token_id: int, request_id: str) -> None:
         if not self.active:
             self._recent = (self._recent + [token_id])[-len(self.after):]

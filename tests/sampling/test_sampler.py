@@ -367,6 +367,18 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [1, 2, 2, 2]
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_the_end() -> None:
+    """A row whose grammar mask left only EOS (a regex at its longest) samples EOS though min_tokens holds it
+    back: masking it too left nothing, and a token outside the grammar was sampled."""
+    logits = torch.tensor([[-math.inf, -math.inf, 1.0, -math.inf], [0.5, 2.0, 1.0, -math.inf]])
+    params = [SamplingParams(temperature=0.7, seed=1, min_tokens=5), SamplingParams(temperature=0, min_tokens=5)]
+    metadata = build(params, vocab=4, outputs=[[1], [1]], eos=[{2}] * 2)
+    processed = Sampler.apply_logits_processors(logits, metadata)
+    assert torch.equal(processed[0], logits[0])  # only EOS was left: kept
+    assert processed[1].tolist() == [0.5, 2.0, -math.inf, -math.inf]  # EOS held back as ever
+    assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [2, 1]
+
+
 def test_min_tokens_masks_eos_for_random_rows() -> None:
     logits = torch.tensor([[0.0, 0.0, 3.0]])
     params = SamplingParams(min_tokens=1)

@@ -251,3 +251,14 @@ def test_drafts_are_verified_under_the_grammar(async_scheduling):
     for c in llm.chat([msgs], sampled, use_tqdm=False)[0].outputs:
         jsonschema.validate(json.loads(c.text), schema)
     llm.shutdown()
+
+
+def test_a_grammar_at_its_end_stops_the_output_before_min_tokens(llm):
+    """min_tokens holds EOS back, a regex at its longest allows nothing else: the grammar wins (the sampler
+    once masked every token, sampled one outside the grammar and went on)."""
+    for temperature in (0.0, 0.8):
+        sp = SamplingParams(temperature=temperature, seed=2, max_tokens=20, min_tokens=12,
+                            structured_outputs=S(regex="[a-z]{1,3}"))
+        out = llm.generate("Say a short word:", sp, use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch("[a-z]{1,3}", out.text), out.text
+        assert out.finish_reason == "stop" and len(out.token_ids) < 12
