@@ -66,9 +66,8 @@ class DecodeProgram:
 def _weights(linear: torch.nn.Module, original: bool = False) -> tuple[torch.Tensor, int] | None:
     """A linear's weight as the program reads it (int8/int4 or bf16 panels), and the most rows it serves;
     None if it cannot. `original`: a quantized linear's original weight instead of its compact copy."""
-    quant = getattr(linear, "quant", None)
-    if getattr(linear, "lora", None) is not None:
-        return None
+    quant = getattr(linear, "quant", None)  # (a LoRA server's linears have adapter slots: the runner runs
+    # the program only for steps in which no row has an adapter)
     if isinstance(quant, WeightOnly):
         if not original:
             return quant.panels, quant.max_rows

@@ -92,7 +92,9 @@ class ModelRunner:
             if model_config.compilation_level > 0:
                 raise RivuletError("LoRA adapters run with --compilation-level 0 (for now)")
             self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
-            self.use_cuda_graphs = self.use_decode_program = False  # the adapters' segments change from step to step
+            # the adapters' segments change from step to step: no CUDA graphs; the decode program (which has no
+            # adapters) runs the steps in which no row has one
+            self.use_cuda_graphs = False
         self.forward_fn = self.model  # the compiled forward at --compilation-level 1 and 2
         ps = get_parallel_state()
         # pipeline parallelism: the step's micro-batches, received and sent on around this stage's forward
@@ -201,7 +203,7 @@ class ModelRunner:
         fit), on CPUs the decode program for small decode steps, else the model's forward."""
         if self.pipeline is not None:
             return self.pipeline.run(self.forward_fn, batch.input_ids, batch.positions, batch.meta)
-        if self.decode_program is not None:
+        if self.decode_program is not None and (self.lora is None or self.lora.step.plan is None):
             hidden = self.decode_program.run(batch.input_ids, batch.positions, batch.meta, batch.layout)
             if hidden is not None:
                 return hidden

@@ -11,6 +11,7 @@ import torch
 from helpers.lora import ADAPTERS, peft_tokens as _peft_tokens, write_peft_adapter as _write_adapter
 from helpers.tiny import make_tiny_model
 from rivulet import LLM, LoRARequest, RivuletError, SamplingParams
+from rivulet.kernels.cpu import load_cpu_ext
 from rivulet.kernels.lora import LoRAPlan, add_lora_batched, add_lora_ref
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -77,6 +78,45 @@ def test_speculative_decoding_keeps_each_adapters_tokens(llama_adapters, method)
     assert stats.num_draft_tokens > 0, stats  # drafts were verified
     if method == "draft_model":  # the base request takes its draft's guesses, the adapters' do not all
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.skipif(not hasattr(load_cpu_ext(), "DecodeProgram"), reason="the decode program needs AVX512-VNNI")
+def test_steps_without_adapters_run_the_decode_program(llama_adapters):
+    """On a LoRA server, steps in which no row has an adapter take the CPU decode program (a LoRA server once
+    ran every step layer by layer); steps with an adapter do not, and every output is what an engine without
+    the program gives (int4 weights: the program's path)."""
+    root = llama_adapters
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 14)]
+    kw = dict(dtype="float32", quantization="int4", block_size=4)
+
+    def run(llm: LLM, loras) -> tuple[list[list[int]], list[int]]:
+        runner = llm.engine.core.executor.runner
+        calls: list[int] = []
+        if runner.decode_program is not None:
+            program_run = runner.decode_program.run
+
+            def counted(input_ids, *args):
+                out = program_run(input_ids, *args)
+                calls.append(0 if out is None else input_ids.shape[0])
+                return out
+
+            runner.decode_program.run = counted
+        return _tokens(llm, prompts, loras), calls
+
+    lora = LoRARequest("attn", 1, str(root / "attn"))
+    llm = LLM(str(root / "base"), enable_lora=True, **kw)
+    base, base_calls = run(llm, [None, None])
+    mixed, mixed_calls = run(llm, [None, lora])
+    llm.shutdown()
+    assert sum(c > 0 for c in base_calls) == GREEDY.max_tokens - 1  # every decode step of the base requests
+    assert not any(mixed_calls)  # an adapter in every step: never the program
+    plain = LLM(str(root / "base"), **kw)
+    assert run(plain, [None, None])[0] == base
+    plain.shutdown()
+    eager = LLM(str(root / "base"), enable_lora=True, enforce_eager=True, **kw)
+    assert run(eager, [None, lora])[0] == mixed
+    eager.shutdown()
 
 
 def test_more_adapters_than_slots_take_turns(llama_adapters):
