@@ -101,9 +101,27 @@ class KVTier:
     # ---- saves: the device pool's events ----
 
     def on_event(self, event: KVCacheEvent) -> None:
-        """A listener of the device pool: plan the copy of each newly registered block."""
+        """A listener of the device pool: plan the copy of each newly registered block; cancel it if the block
+        is evicted for reuse before the step that copies it has run."""
         if event.kind == "stored" and event.block_hash is not None:
             self._plan_save(event.block_hash, event.block_id, list(event.token_ids))
+        elif event.kind == "removed" and event.block_hash is not None:
+            self._cancel_save(event.block_hash, event.block_id)
+
+    def _cancel_save(self, key: bytes, block_id: int) -> None:
+        """Drop a planned copy of `block_id` (and its index entries): its block now holds another's KV. (A block
+        the KV tier loaded is registered when the load reports and free at once; the next step's allocations
+        may reuse it before that step's copies run.)"""
+        for item in [s for s in self._saves if s[0] == block_id]:
+            self._saves.remove(item)
+            _, slot, name, _ = item
+            if slot >= 0 and self.host.get(key) == slot:
+                del self.host[key]
+                self._free_slots.append(slot)
+                self.stats.saved_host -= 1
+            if name and key in self.disk:
+                del self.disk[key]
+                self.stats.saved_disk -= 1
 
     def _plan_save(self, key: bytes, block_id: int, token_ids: list[int]) -> None:
         slot = -1

@@ -247,3 +247,23 @@ def test_the_disk_index_is_rebuilt_from_the_folder(tmp_path: Path) -> None:
     assert list(tier.disk) == names[::-1][1:]  # oldest first; the oldest went over the budget ...
     assert tier.take_ops() == ([], [names[3].hex()])  # ... and its file is the worker's to delete
     assert not junk.exists()
+
+
+def test_a_block_reused_before_its_copy_runs_is_not_copied(tmp_path: Path) -> None:
+    """A registered block evicted for reuse before the step that copies it (a block the tier loaded is free as
+    soon as it is registered): the copy would read the new owner's KV under the old key, so it is cancelled,
+    with its index entries; other planned copies stay. (The default model served wrong tokens from such a
+    host copy: a loaded-from-disk prefix, saved to host memory after its device block was reused.)"""
+    tier = KVTier(host_slots=4, disk_dir=tmp_path, disk_blocks=8)
+    k1, k2 = b"\x01" * 16, b"\x02" * 16
+    tier.on_event(KVCacheEvent("stored", k1, 5, (1, 2, 3, 4)))
+    tier.on_event(KVCacheEvent("stored", k2, 6, (5, 6, 7, 8)))
+    tier.on_event(KVCacheEvent("removed", k1, 5))
+    saves, _ = tier.take_ops()
+    assert [(b, toks) for b, _, _, toks in saves] == [(6, [5, 6, 7, 8])]
+    assert tier.lookup([k1]) == [] and [k for k, _ in tier.lookup([k2])] == [k2]
+    assert tier.stats.saved_host == tier.stats.saved_disk == 1
+    tier.on_event(KVCacheEvent("stored", k1, 5, (1, 2, 3, 4)))  # registered again later: copied then
+    assert [b for b, *_ in tier.take_ops()[0]] == [5]
+    tier.on_event(KVCacheEvent("removed", k2, 6))  # evicted after its copy ran: the tiers keep it
+    assert [k for k, _ in tier.lookup([k2])] == [k2]
