@@ -79,7 +79,8 @@ def test_batched_decode_steps_match_and_other_steps_run_layer_by_layer(dtype, ti
     panels = dtype == "bfloat16" and cpu_ops.PANEL_BF16 and getattr(load_cpu_ext(), "DECODE_PROGRAM_PANELS", False)
     assert [n for n, _ in r.decode_program.natives] == ([rows, 64] if panels else [rows])
     got = run(r, 3) + run(r, 9) + run(r, rows + 1)
-    assert calls == [3] * 4 + [9] * 4 + ([rows + 1] * 4 if panels else [])
+    # (steps of 9 fit the compact copies where they serve 9 rows or more: 32 rows here, 8 on AMX CPUs)
+    assert calls == [3] * 4 + ([9] * 4 if 9 <= rows or panels else []) + ([rows + 1] * 4 if panels else [])
     r.decode_program = None
     for a, b in zip(got, run(r, 3) + run(r, 9) + run(r, rows + 1)):
         assert torch.equal(a, b)
@@ -157,14 +158,14 @@ def test_default_model_greedy_tokens_match_enforce_eager(quantization):
                   enforce_eager=eager)
         try:
             runner = llm.engine.core.executor.runner
-            if quantization is None and runner.decode_program_skipped:
+            if quantization is None and runner.decode_program_skipped:  # AMX CPUs: bf16 runs on AMX tiles
                 pytest.skip(runner.decode_program_skipped)
             assert (runner.decode_program is None) == eager
             calls = _counting(runner) if not eager else []
             outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
             llm.shutdown()
-            assert eager or len(calls) >= 23  # every decode step (the first token comes from the prefill)
+        assert eager or len(calls) >= 23  # every decode step (the first token comes from the prefill)
     assert outs[False] == outs[True]
     assert all(len(t) == 24 for t in outs[False])
 
