@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--long-output-len", type=int, default=1000)
     ap.add_argument("--decode-steps", type=int, default=128, help="batch-1 decode steps timed")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--kv-cache-gib", type=float, default=64.0)
+    ap.add_argument("--kv-cache-gib", type=float, default=64.0,
+                    help="KV cache of the main engine at most (less where the GPU leaves less: see model_checks)")
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count (quick runs)")
     ap.add_argument("--kernels", default="", help="comma list of kernel groups to check (default: all of "
                     "rms_norm, silu_and_mul, rotary, write_kv, kv_copy, attention, moe, fp8)")

@@ -288,10 +288,15 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         return {"params": sum(p.numel() for p in state["hf"].parameters())}
 
     def rivulet_build() -> dict[str, Any]:
+        kv = int(args.kv_cache_gib * (1 << 30))
+        if device.type == "cuda":  # an 80 GB card: room left for transformers' batch, the graphs and, once
+            # transformers' copy is gone, the structured and speculative sections' second engine (weights + 4 GiB KV)
+            hf_bytes = sum(p.numel() * p.element_size() for p in state["hf"].parameters()) if "hf" in state else 0
+            kv = max(min(kv, torch.cuda.mem_get_info()[0] - hf_bytes - (14 << 30)), 1 << 30)
         llm = state["llm"] = LLM(str(folder), dtype=str(dtype).removeprefix("torch."), load_format="dummy",
                                  max_model_len=max_len, max_num_seqs=max(args.num_prompts, args.long_requests),
                                  max_num_batched_tokens=args.max_batched_tokens,
-                                 kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), enable_prefix_caching=False)
+                                 kv_cache_memory=kv, enable_prefix_caching=False)
         runner = _runner(llm)
         params = dict(runner.model.named_parameters())
         weight_bytes = sum(p.numel() * p.element_size() for p in params.values())

@@ -134,14 +134,23 @@ def _describe_value(v: Any) -> str | None:
 
 
 class StepKind(NamedTuple):
-    """Steps of `lo` to `hi` tokens (None: no upper bound), one compiled graph; `name` names its file."""
+    """Steps of `lo` to `hi` tokens, one compiled graph; `name` names its file."""
 
     name: str
     lo: int
-    hi: int | None
+    hi: int
 
     def takes(self, tokens: int) -> bool:
-        return self.lo <= tokens and (self.hi is None or tokens <= self.hi)
+        return self.lo <= tokens <= self.hi
+
+
+def max_step_tokens(model: nn.Module) -> int:
+    """The most tokens a compiled step takes: every activation of the step ([tokens, width], width at most
+    the widest weight dimension) keeps under 2**31 elements. Inductor's GPU kernels index in 32 bits where
+    a buffer fits and guard that it does; a token range reaching past that fails at compile time (Dynamo's
+    constraint violation). Longer steps, far beyond any step budget, run eager."""
+    width = max((max(p.shape) for p in model.parameters() if p.dim() >= 2), default=1)
+    return (2**31 - 1) // width
 
 
 def step_kinds(model: nn.Module) -> list[StepKind]:
@@ -161,7 +170,8 @@ def step_kinds(model: nn.Module) -> list[StepKind]:
     kinds = [StepKind("one-token", 1, 1)]
     kinds += [StepKind(f"{lo + 1}-{hi}-token", lo + 1, hi) for lo, hi in zip(ends, ends[1:])]
     last = ends[-1]
-    kinds.append(StepKind("multi-token" if last == 1 else f"multi-token-over-{last}", last + 1, None))
+    name = "multi-token" if last == 1 else f"multi-token-over-{last}"
+    kinds.append(StepKind(name, last + 1, max_step_tokens(model)))
     return kinds
 
 
@@ -217,7 +227,9 @@ class CompiledForward:
                  received: torch.Tensor | None = None) -> torch.Tensor:
         """`received`: a pipeline stage's input from the stage before (`worker/pipeline.py`); passed on only
         where given, so a model without pipeline stages (an encoder) keeps its three-argument forward."""
-        kind = next(k for k in self.kinds if k.takes(input_ids.shape[0]))
+        kind = next((k for k in self.kinds if k.takes(input_ids.shape[0])), None)
+        if kind is None:  # past max_step_tokens
+            return self.model(*_args(input_ids, positions, meta, received))
         if kind not in self._graphs:
             loading = self._loading.pop(kind, None)
             graph = loading.result() if loading is not None else None
@@ -311,7 +323,6 @@ def _args(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetad
     return (input_ids, positions, meta) if received is None else (input_ids, positions, meta, received)
 
 
-_MAX_TOKENS = 1 << 30  # "no upper bound" for a range Dynamo is given (it wants a number)
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
           "_dynamo_unbacked_indices", "_dynamo_shape_ids", "_dynamo_unbacked_bounds", "_has_dynamo_dim_marking")
 
@@ -335,7 +346,7 @@ def _marked(kind: StepKind, input_ids: torch.Tensor, positions: torch.Tensor, me
         torch._dynamo.decorators.mark_unbacked(cache, 1)
         marked.append(cache)
     if kind.hi != 1:
-        hi = kind.hi or _MAX_TOKENS
+        hi = kind.hi
         torch._dynamo.mark_dynamic(input_ids, 0, min=kind.lo, max=hi)
         torch._dynamo.mark_dynamic(positions, 0, min=kind.lo, max=hi)
         marked += [input_ids, positions]

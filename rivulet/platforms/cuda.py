@@ -20,8 +20,12 @@ class CudaPlatform(Platform):
         return torch.cuda.is_available()
 
     def free_memory_bytes(self) -> int:
-        free, _total = torch.cuda.mem_get_info()
-        return int(free)
+        """Free device memory this process may still take: the device's free memory, capped by the caching
+        allocator's per-process limit (`torch.cuda.set_per_process_memory_fraction`) less what it holds, so
+        processes sharing one GPU (test workers, several engines) each size their KV cache to their share."""
+        free, total = torch.cuda.mem_get_info()
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
+        return int(max(0, min(free, fraction * total - torch.cuda.memory_reserved())))
 
     @staticmethod
     def has_triton() -> bool:

@@ -143,13 +143,35 @@ def test_step_kinds_split_where_a_graph_would_be_specialized():
     from rivulet.compilation.compiler import step_kinds
 
     model = torch.nn.Module()
-    model.layer = torch.nn.Module()
-    assert [tuple(k) for k in step_kinds(model)] == [("one-token", 1, 1), ("multi-token", 2, None)]
+    model.layer = torch.nn.Linear(64, 1000)
+    top = (2**31 - 1) // 1000  # every [tokens, width] activation under 2**31 elements (inductor's 32-bit indexing)
+    assert [tuple(k) for k in step_kinds(model)] == [("one-token", 1, 1), ("multi-token", 2, top)]
     model.layer.parallel = SimpleNamespace(sp=False, tp_size=4)
     assert len(step_kinds(model)) == 2
     model.layer.parallel = SimpleNamespace(sp=True, tp_size=4)
     assert [tuple(k) for k in step_kinds(model)] == [("one-token", 1, 1), ("2-4-token", 2, 4),
-                                                      ("multi-token-over-4", 5, None)]
+                                                      ("multi-token-over-4", 5, top)]
+
+
+def test_steps_past_the_last_kinds_range_run_eager(tiny_model_dir, tmp_path, monkeypatch):
+    """A step longer than the compiled range (`max_step_tokens`: on GPUs inductor guards 32-bit indexing, so the
+    range is bounded) runs the eager model, with the eager logits; steps inside it run their graphs."""
+    from helpers.runner import make_runner, teacher_forced_logits
+
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_model_dir("llama")
+    ids = torch.randint(3, 256, (15,), generator=torch.Generator().manual_seed(7)).tolist()
+    blocks = [3, 9, 1, 20]
+    want = teacher_forced_logits(make_runner(path, num_blocks=32), ids, [10, 3], blocks)
+    r = make_runner(path, num_blocks=32, compilation_level=1)
+    r.decode_program = None
+    compiled = r.forward_fn
+    compiled.kinds = [k._replace(hi=8) if k.hi > 8 else k for k in compiled.kinds]
+    calls = []
+    monkeypatch.setattr(compiled, "_compile", lambda kind, *a: calls.append(kind.name) or None)  # jit below
+    got = teacher_forced_logits(r, ids, [10, 3], blocks)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert calls == ["multi-token", "one-token"]  # the 10-token chunk compiled nothing
 
 
 @pytest.mark.parametrize("kind, backend, write", [("deepseek-v3", None, "write_latent_cache"),
