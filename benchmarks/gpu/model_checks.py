@@ -535,6 +535,8 @@ def run_model(out: PartWriter, cfg: dict[str, Any], args: Any, device: torch.dev
         _step(out, "hf_generate", deadline, 40, hf_throughput)
         del state["hf"]  # its memory goes to the long run's KV cache
         free_memory(device)
+        if device.type == "cuda":  # the H100 run (2026-12-05) ran out of memory after this: was it freed?
+            out.set("allocated_gib_after_hf", round(torch.cuda.memory_allocated() / 2**30, 2))
     _step(out, "structured", deadline, 60, structured)
     _step(out, "spec_decode", deadline, 90, spec_decode)
     if args.long_requests:
