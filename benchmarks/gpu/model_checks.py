@@ -105,7 +105,10 @@ def _step(out: PartWriter, name: str, deadline: Deadline, need_s: float, fn: Cal
         return True
     except Exception as e:  # noqa: BLE001 - one failing step must not lose the others
         out.set(name, {"status": "error", "elapsed_s": round(time.time() - t0, 2), "error": error_text(e)})
-        return False
+    # what the failed step built (an engine that ran out of memory half-way) is held by the traceback's frames,
+    # a reference cycle: collected here, or the next steps run short of memory (the H100 run, 2026-12-05)
+    free_memory(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return False
 
 
 def build_hf(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
