@@ -84,7 +84,9 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a fraction of free memory
-    memory_utilization: float = 0.9  # fraction of device memory (free memory on CPU)
+    # the share of the GPU's memory this engine may hold in all, weights and activations included (vLLM's
+    # --gpu-memory-utilization); on CPU the share of free host memory, at most 2 GiB (Platform.kv_cache_budget)
+    memory_utilization: float = 0.9
     num_blocks: int | None = None  # override, mostly for tests
     enable_prefix_caching: bool = True
     # the KV tier below the device pool (rivulet/core/kv_tier.py): host memory, then files on disk
@@ -94,6 +96,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_at_least_one(self, "block_size")
+        u = self.memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise RivuletError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], "
+                               f"got {self.memory_utilization!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise RivuletError(f"num_kv_blocks (--num-kv-blocks) must be an integer >= 1, got {self.num_blocks!r}")
         for name in ("kv_offload_memory", "kv_tier_disk_bytes"):

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `h
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 if os.environ.get("PYTEST_XDIST_WORKER") and torch.cuda.is_available():
-    # workers share the GPU: each engine sizes its KV cache to its worker's share (CudaPlatform.free_memory_bytes),
+    # workers share the GPU: each engine sizes its KV cache to its worker's share (CudaPlatform.kv_cache_budget),
     # and a share is left for the subprocesses some tests start
     torch.cuda.set_per_process_memory_fraction(0.9 / (int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) + 1))
 

@@ -31,6 +31,9 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=2048, metadata=_opt("tokens in one step at most"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
     kv_cache_memory: int | None = field(default=None, metadata=_opt("bytes for the KV cache"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_opt(
+        "share of the GPU's memory this engine may hold: weights, activations and the KV cache (on CPU: of the "
+        "free host memory, the KV cache at most 2 GiB)", type=float))
     num_kv_blocks: int | None = field(default=None, metadata=_opt("KV cache blocks (overrides --kv-cache-memory)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("share the KV of common prompt prefixes"))
     kv_offload_memory: int | None = field(default=None, metadata=_opt(
@@ -137,6 +140,7 @@ class EngineArgs:
                               pooler_config=None if self.pooler_config is None else json_object(
                                   "pooler_config", self.pooler_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                              memory_utilization=self.gpu_memory_utilization,
                               num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
                               kv_offload_memory=self.kv_offload_memory, kv_tier_path=self.kv_tier_path,
                               kv_tier_disk_bytes=self.kv_tier_disk_bytes),

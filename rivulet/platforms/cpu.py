@@ -127,6 +127,11 @@ class CpuPlatform(Platform):
     def free_memory_bytes(self) -> int:
         return _meminfo_available()
 
+    def kv_cache_budget(self, utilization: float) -> int:
+        """A share of the available host memory, at most 2 GiB: the rest stays with the system
+        (`--kv-cache-memory` sets any size)."""
+        return min(int(self.free_memory_bytes() * utilization), 2 << 30)
+
     def attention_backend(self) -> str:
         return "cpu"
 

@@ -33,6 +33,11 @@ class Platform:
         """Memory that a KV cache could still take, in bytes."""
         raise NotImplementedError
 
+    def kv_cache_budget(self, utilization: float) -> int:
+        """Bytes for the KV cache once the model is loaded, at `--gpu-memory-utilization` (by default a share
+        of the free memory)."""
+        return int(self.free_memory_bytes() * utilization)
+
     def attention_backend(self) -> str:
         """Name of the paged-attention implementation in `rivulet.kernels.attention`."""
         return "torch"

@@ -147,9 +147,7 @@ class ModelRunner:
             return ENCODER_BLOCKS
         budget = cc.kv_cache_memory
         if budget is None:
-            budget = int(self.platform.free_memory_bytes() * cc.memory_utilization)
-            if self.platform.name == "cpu":
-                budget = min(budget, 2 << 30)  # leave the rest of host memory to the system
+            budget = self.platform.kv_cache_budget(cc.memory_utilization)
         return max(budget // self.kv_bytes_per_block(), 0)
 
     def allocate_kv_cache(self, num_blocks: int, host_slots: int = 0, disk_dir: str | None = None) -> None:
