@@ -8,16 +8,25 @@ keeps what its slice of the layer needs: a column-parallel layer's full A and it
 row-parallel layer's columns of A and the full B (its partial deltas are summed by the layer's
 all-reduce, like its partial outputs). The weights are copied in by the layer's own `weight_loader`, so
 the split is the one the base weights have.
+
+In a compiled model (`--compilation-level 1/2`) each layer's deltas are one opaque op (`add_lora_`, the slots
+found by name): the step's plan changes from step to step and is read when the op runs, so one graph
+serves every mix of adapters, and steps without any.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
+from rivulet.kernels.library import graph_op
 from rivulet.kernels.lora import LoRAPlan
 from rivulet.kernels.ops import get_op
+
+_SLOTS: weakref.WeakValueDictionary[str, LoRASlots] = weakref.WeakValueDictionary()  # by name, for `add_lora_`
+_NAMES = itertools.count()
 
 
 class LoRAStep:
@@ -47,6 +56,8 @@ class LoRASlots:
             sizes = [size // linear.tp_size for size in sizes]
         self.bounds = [0, *itertools.accumulate(sizes)] if sizes and len(slices) > 1 else []
         self._add_lora = get_op("add_lora")
+        self.name = f"lora{next(_NAMES)}"
+        _SLOTS[self.name] = self
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -73,7 +84,11 @@ class LoRASlots:
         self.ranks[slot] = 0 if whole else r  # 0: one projection over every column (Phi-3's qkv_proj)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y plus the deltas of the step's adapters (y itself when none of them adapts this layer)."""
+        """y plus the deltas of the step's adapters, added in place (y unchanged when none of them adapts this
+        layer)."""
+        if torch.compiler.is_compiling():
+            add_lora_(y, x, self.name)
+            return y
         plan = self.step.plan
         if plan is None:
             return y
@@ -81,6 +96,12 @@ class LoRASlots:
         if rows == 0:
             return y
         return self._add_lora(y, x.reshape(-1, x.shape[-1]), self.a, self.b, plan, rows, (self.bounds, self.ranks))
+
+
+@graph_op("rivulet_lora", "add_lora_", lambda y, x, layer: None, mutates_args=("y",))
+def add_lora_(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
+    """The LoRA slots named `layer` add the current step's deltas to y: one op in a compiled graph."""
+    _SLOTS[layer].apply(x, y)
 
 
 def _shard_id(slices: list[str], name: str) -> str | int:

@@ -89,8 +89,6 @@ class ModelRunner:
         self.speculative = speculative
         self.lora: LoRAManager | None = None
         if lora is not None:
-            if model_config.compilation_level > 0:
-                raise RivuletError("LoRA adapters run with --compilation-level 0 (for now)")
             self.lora = LoRAManager(self.model, lora, self.dtype, self.device)
             # the adapters' segments change from step to step: no CUDA graphs; the decode program (which has no
             # adapters) runs the steps in which no row has one
@@ -104,8 +102,9 @@ class ModelRunner:
 
             passes = parse_passes(model_config.compilation_passes) if model_config.compilation_level == 2 else ()
             # with several ranks each compiles its own graphs in-process (no saved graphs: they would name this
-            # process's collectives)
-            self.forward_fn = CompiledForward(self.model, cache=ps.world_size == 1, passes=passes)
+            # process's collectives), and so does a model with LoRA slots (its graphs name this engine's slots)
+            self.forward_fn = CompiledForward(self.model, cache=ps.world_size == 1 and self.lora is None,
+                                              passes=passes)
         self.cuda_graph_error: str | None = None  # why capture failed (the runner then stays eager)
         self.drafter = None  # speculative decoding's draft model: proposes after each sampling step
         # --task embed: each request's hidden states pooled into one vector (its params by request id)

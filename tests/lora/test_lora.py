@@ -55,6 +55,30 @@ def test_adapters_and_base_mixed_in_one_batch_match_peft(llama_adapters):
         llm.shutdown()
 
 
+def test_compiled_model_keeps_each_adapters_tokens(llama_adapters, tmp_path, monkeypatch):
+    """--compilation-level 1 with adapters: each adapted linear's deltas are one op in the graph (the step's plan
+    read when it runs), so adapters and the base mixed in one batch, then the base alone, give PEFT's tokens
+    from the same two graphs (one token, more), and nothing is traced again. The graphs are not saved: they
+    name this engine's slots."""
+    monkeypatch.setenv("RIVULET_CACHE_DIR", str(tmp_path))
+    root = llama_adapters
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 21, 14)]
+    names = [*ADAPTERS][:2] + [None]
+    want = [_peft_tokens(root / "base", root / n if n else None, p) for n, p in zip(names, prompts)]
+    loras = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
+    llm = LLM(str(root / "base"), dtype="float32", enable_lora=True, max_loras=2, max_num_batched_tokens=16,
+              block_size=4, compilation_level=1)
+    try:
+        compiled = llm.engine.core.executor.runner.forward_fn
+        assert _tokens(llm, prompts, loras) == want
+        assert _tokens(llm, prompts[2:], [None]) == want[2:]
+        assert compiled.compiled == {"one-token", "multi-token"} and compiled.fallbacks == 0
+        assert compiled.cache_dir is None  # not saved: the graphs name this engine's slots
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_keeps_each_adapters_tokens(llama_adapters, method):
     """Drafts verified under each request's adapter: n-gram lookups, or the base model as the draft model
