@@ -31,6 +31,11 @@ from rivulet.plugins import load_kernel_plugins
 OpImpl = Callable[..., object]
 
 
+def argmax_rows_ref(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling: each row's first index of its maximum."""
+    return logits.argmax(dim=-1)
+
+
 def pack_linear_weight_ref(weight: torch.Tensor) -> None:
     """The reference backend has no packed layout: linears read the plain weight."""
     return None
@@ -68,6 +73,7 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "add_lora": {"torch": add_lora_ref, "cpu": f"{_CPU}:add_lora",
                  "triton": f"{_TRITON}.lora:add_lora"},
     "copy_blocks": {"torch": copy_blocks_ref, "cpu": f"{_CPU}:copy_blocks", "triton": f"{_TRITON}.kv_copy:copy_blocks"},
+    "argmax_rows": {"torch": argmax_rows_ref, "cpu": f"{_CPU}:argmax_rows"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

@@ -199,6 +199,10 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
 class Sampler(nn.Module):
     """Turns one step's logits into token ids (and logprobs when asked)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._argmax = get_op("argmax_rows")
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits``: float[rows, vocab], one row per sequence to sample."""
         logits = logits.float()  # no copy when already float32; nothing below is in place
@@ -207,7 +211,7 @@ class Sampler(nn.Module):
             raw_logprobs = logits.log_softmax(dim=-1)
 
         logits = self.apply_logits_processors(logits, metadata)
-        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if metadata.all_random else self._argmax(logits)
         if metadata.all_greedy:
             assert greedy_ids is not None
             sampled = greedy_ids

@@ -371,3 +371,23 @@ def test_copy_blocks_equals_the_reference(dtype: torch.dtype, halves: int) -> No
         ext.copy_blocks(caches, host, torch.tensor([40]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="same block shape"):
         ext.copy_blocks(caches[:1], host[1:], blocks, slots)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 49152])
+def test_argmax_rows_is_torchs_argmax(vocab: int) -> None:
+    """Greedy sampling's argmax: torch's index everywhere, ties (the first), +-inf, NaN (the first NaN, as torch),
+    rows of a wider tensor, vocabularies that are not a multiple of the vector width."""
+    from rivulet.kernels.cpu.ops import argmax_rows
+
+    x = randn(9, vocab, dtype=torch.float32)
+    x = torch.cat([x, x], 1)[:, :vocab] if vocab > 1 else x  # rows with a stride wider than the vocabulary
+    x[1] = 0.5  # all tied: index 0
+    x[2] = float("-inf")
+    if vocab > 1:
+        x[3, vocab - 1] = float("inf")  # the maximum in the tail
+        x[4, [vocab // 3, vocab - 1]] = 99.0  # tied maxima: the first
+        x[5, [vocab - 1, vocab // 2]] = float("nan")  # NaNs win, the first of them
+        x[6, 0], x[6, vocab // 2] = -0.0, 0.0
+        x[6, 1:vocab // 2], x[6, vocab // 2 + 1:] = -1.0, -1.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x).dtype == torch.int64

@@ -645,6 +645,59 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask) {
 }
 
 
+// The first index of a row's maximum, torch.argmax's answer (a NaN counts as the maximum: its first wins).
+static int64_t argmax_row(const float* x, int64_t n) {
+  int64_t j = 0, best = 0;
+  float m = x[0];
+#ifdef __AVX512F__
+  if (n >= 16) {  // per lane the first index of its maximum, then the smallest index among the lanes holding it
+    __m512 bv = _mm512_loadu_ps(x);
+    __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = bi;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
+    for (j = 16; j + 16 <= n; j += 16) {
+      idx = _mm512_add_epi32(idx, step);
+      const __m512 v = _mm512_loadu_ps(x + j);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+      bv = _mm512_mask_mov_ps(bv, gt, v);
+      bi = _mm512_mask_mov_epi32(bi, gt, idx);
+    }
+    if (nan) {
+      for (int64_t i = 0; i < j; ++i)
+        if (std::isnan(x[i])) return i;
+    }
+    m = _mm512_reduce_max_ps(bv);
+    best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(bv, _mm512_set1_ps(m), _CMP_EQ_OQ), bi);
+  }
+#endif
+  if (j == 0) {
+    if (std::isnan(m)) return 0;
+    j = 1;
+  }
+  for (; j < n; ++j) {  // the tail (all of a short row): later indices win only when greater
+    if (std::isnan(x[j])) return j;
+    if (x[j] > m) m = x[j], best = j;
+  }
+  return best;
+}
+
+// logits [R, V] float32 (rows contiguous) -> int64 [R]: greedy sampling's argmax, vectorized, rows over threads.
+// (torch's argmax over a [64, 49152] batch took 2.7 ms of a 44 ms decode step on 2 cores; this ~0.3.)
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.size(1) > 0 &&
+              logits.stride(1) == 1 && logits.size(1) < (int64_t(1) << 31),
+              "argmax_rows: float32 [rows, vocab] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  auto out = torch::empty({R}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(lp + r * ld, V);
+  });
+  return out;
+}
+
 // KV blocks between caches of the same block shape (the KV tier: a layer's device cache and its host
 // buffer, each [halves, blocks, ...] with contiguous blocks): dst[l][h, dst_idx[i]] = src[l][h, src_idx[i]]
 // for every layer l, half h and pair i, one memcpy each, all of them spread over the threads.
@@ -698,6 +751,7 @@ void copy_blocks(std::vector<torch::Tensor> src, std::vector<torch::Tensor> dst,
 void register_cpu_ops(py::module& m) {
   m.def("copy_blocks", &copy_blocks);
   m.def("apply_token_bitmask", &apply_token_bitmask);
+  m.def("argmax_rows", &argmax_rows);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("apply_rotary", &apply_rotary);

@@ -186,6 +186,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of [rows, vocab] float32 logits, in C++ (vectorized; rows over the threads)."""
+    if _ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1 \
+            or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    return _ext.argmax_rows(logits)
+
+
 def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_blocks: torch.Tensor,
                 dst_blocks: torch.Tensor) -> None:
     """`copy_blocks_ref`, in C++ when every tensor is on the CPU with contiguous blocks."""
