@@ -30,6 +30,7 @@ import torch
 from rivulet.config import ModelConfig, RivuletError, SpeculativeConfig
 from rivulet.core.outputs import SchedulerOutput
 from rivulet.distributed import get_parallel_state
+from rivulet.kernels.ops import get_op
 from rivulet.layers.attention import Attention
 from rivulet.models.arch_config import ArchConfig
 from rivulet.models.loader import load_model, resolve_model
@@ -53,6 +54,7 @@ class DraftRunner:
         except RivuletError as e:
             raise RivuletError(f"speculative_config draft {e}") from None
         self.device = device
+        self._argmax = get_op("argmax_rows")  # greedy guesses
         self.model, self.arch = load_model(cfg, source, dtype, device)
         current_platform().place_module(self.model)
         if self.arch.vocab_size > target.vocab_size:
@@ -139,7 +141,7 @@ class DraftRunner:
             n = ends[active] - s if j == 0 else np.ones(len(active), np.int64)
             flat = batch.gather(rows_np[active], s, n, graphs=self.graphs)
             hidden = hidden_states(self.model, flat)  # a replay when one token per sequence
-            drafts[active, j] = self.model.compute_logits(hidden[flat.logits_indices]).argmax(-1).cpu().numpy()
+            drafts[active, j] = self._argmax(self.model.compute_logits(hidden[flat.logits_indices])).cpu().numpy()
             for i in active.tolist():
                 if depth[i]:  # (a prefill chunk's next position holds a known prompt token)
                     batch.write_ahead(rows[i], int(ends[i]) + j, [int(drafts[i, j])])
