@@ -88,6 +88,9 @@ class CacheConfig:
     # --gpu-memory-utilization); on CPU the share of free host memory, at most 2 GiB (Platform.kv_cache_budget)
     memory_utilization: float = 0.9
     num_blocks: int | None = None  # override, mostly for tests
+    # the KV cache's element type: "auto" (the model's dtype) or "fp8_e5m2" (one byte: half the bytes a decode
+    # step reads; vLLM's --kv-cache-dtype)
+    cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # the KV tier below the device pool (rivulet/core/kv_tier.py): host memory, then files on disk
     kv_offload_memory: int | None = None  # bytes of host memory; None/0: no host tier
@@ -96,6 +99,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_at_least_one(self, "block_size")
+        if self.cache_dtype not in ("auto", "fp8_e5m2"):
+            hint = " (fp8_e5m2 is the one fp8 format so far)" if str(self.cache_dtype).startswith("fp8") else ""
+            raise RivuletError(f"kv_cache_dtype (--kv-cache-dtype) must be auto or fp8_e5m2, got "
+                               f"{self.cache_dtype!r}{hint}")
         u = self.memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise RivuletError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], "

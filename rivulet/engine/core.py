@@ -62,6 +62,8 @@ def kv_namespace(config: EngineConfig, source: ModelSource) -> bytes:
     KV cache holds (dtype, quantization, dummy weights' seed)."""
     m = config.model
     ident = f"{source.fingerprint()}|{m.dtype}|{m.quantization}|{m.load_format}|{m.seed if m.load_format == 'dummy' else ''}"
+    if config.cache.cache_dtype != "auto":  # (the auto identities stay as they were: saved tiers remain valid)
+        ident += f"|kv:{config.cache.cache_dtype}"
     return hashlib.sha256(ident.encode()).digest()
 
 

@@ -68,8 +68,11 @@ def write_kv_cache_ref(
     """Store key/value [T, Hk, D] into their slots of the paged cache."""
     _, num_blocks, block_size, hk, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, hk, d)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1:  # fp8 (rounded above): copied as bytes, which index_copy_ takes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 @graph_op("rivulet_ref", "write_kv_cache", lambda key, value, kv_cache, slot_mapping: None, mutates_args=("kv_cache",))

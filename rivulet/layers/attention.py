@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from rivulet.kernels import AttentionMetadata, get_attention_backend
-from rivulet.kernels.attention import varlen_attention, write_latent_cache
+from rivulet.kernels.attention import varlen_attention, write_kv_cache, write_latent_cache
 from rivulet.kernels.ops import get_op
 from rivulet.platforms import current_platform
 
@@ -35,8 +35,11 @@ class Attention(nn.Module):
         self._write_kv_cache = get_op("write_kv_cache")
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
-        """Use `cache` [kv_halves, num_blocks, block_size, num_kv_heads, head_dim] from now on."""
+        """Use `cache` [kv_halves, num_blocks, block_size, num_kv_heads, head_dim] from now on. A cache of another
+        dtype than the model's (`--kv-cache-dtype fp8_e5m2`) is written by the reference, which rounds to it."""
         self.kv_cache = cache
+        if cache.dtype.itemsize == 1:
+            self._write_kv_cache = write_kv_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq*D], k and v [T, Hk*D] -> [T, Hq*D]."""

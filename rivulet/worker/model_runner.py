@@ -57,6 +57,14 @@ class ModelRunner:
         self.device = self.platform.device
         self.dtype = resolve_dtype(model_config.dtype)
         self.cache_config = cache_config
+        self.cache_dtype = self.dtype if cache_config.cache_dtype == "auto" else torch.float8_e5m2
+        if self.cache_dtype != self.dtype:
+            if self.platform.name != "cpu":
+                raise RivuletError(f"--kv-cache-dtype {cache_config.cache_dtype} runs on CPUs for now "
+                                   f"(not on {self.platform.name})")
+            if model_config.compilation_level > 0:
+                raise RivuletError(f"--kv-cache-dtype {cache_config.cache_dtype} runs with --compilation-level 0 "
+                                   "for now")
         torch.manual_seed(model_config.seed)
         start = time.perf_counter()
         self.model, self.arch = load_model(model_config, source, self.dtype, self.device)
@@ -65,6 +73,8 @@ class ModelRunner:
         logger.info("model loaded in %.2f s (+%.2f s placing it in memory)", loaded - start,
                     time.perf_counter() - loaded)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.cache_dtype != self.dtype and self.arch.is_mla:
+            raise RivuletError(f"--kv-cache-dtype {cache_config.cache_dtype}: not for latent attention (MLA) yet")
         self.kv_caches: list[torch.Tensor] = []
         self.kv_tier: KVTierWorker | None = None  # copies of the KV tier below the cache (host memory, files)
         self._idle_step = False  # the last step computed nothing: its report may wait for a tier load
@@ -133,7 +143,7 @@ class ModelRunner:
         return self.attn_layers + (self.drafter.attn_layers if self.drafter is not None else [])
 
     def kv_bytes_per_block(self) -> int:
-        bs, size = self.cache_config.block_size, self.dtype.itemsize
+        bs, size = self.cache_config.block_size, self.cache_dtype.itemsize
         return sum(a.kv_halves * bs * a.num_kv_heads * a.head_dim * size for a in self._kv_layers())
 
     def num_blocks_for_budget(self) -> int:
@@ -154,7 +164,7 @@ class ModelRunner:
         bs = self.cache_config.block_size
         self.kv_caches = []
         for a in self._kv_layers():
-            cache = self.platform.zeros((a.kv_halves, num_blocks, bs, a.num_kv_heads, a.head_dim), self.dtype)
+            cache = self.platform.zeros((a.kv_halves, num_blocks, bs, a.num_kv_heads, a.head_dim), self.cache_dtype)
             a.bind_kv_cache(cache)
             self.kv_caches.append(cache)
         # keys, then values, of every layer: each region in block order, as fresh blocks are handed out
@@ -163,7 +173,9 @@ class ModelRunner:
             self.kv_tier = KVTierWorker(self.kv_caches, host_slots, disk_dir, pin_memory=self.platform.name == "cuda")
         if self.use_cuda_graphs:
             self._capture_cuda_graphs()
-        if self.use_decode_program:
+        if self.use_decode_program and self.cache_dtype != self.dtype:
+            self.decode_program_skipped = "the KV cache holds another dtype than the model"
+        elif self.use_decode_program:
             self.decode_program, self.decode_program_skipped = build_decode_program(self.model)
             if self.decode_program is not None:
                 logger.info("decode steps of up to %d sequences run as one native call", self.decode_program.max_rows)

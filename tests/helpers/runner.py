@@ -13,10 +13,10 @@ from rivulet.worker.model_runner import ModelRunner
 
 
 def make_runner(model: str | Path, dtype: str = "float32", num_blocks: int = 128, block_size: int = 4,
-                quantization: str | None = None, compilation_level: int = 0) -> ModelRunner:
+                quantization: str | None = None, compilation_level: int = 0, kv_cache_dtype: str = "auto") -> ModelRunner:
     r = ModelRunner(ModelConfig(model=str(model), dtype=dtype, quantization=quantization,  # type: ignore[arg-type]
                                 compilation_level=compilation_level),
-                    CacheConfig(block_size=block_size), resolve_model(str(model)))
+                    CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype), resolve_model(str(model)))
     r.allocate_kv_cache(num_blocks)
     return r
 

@@ -167,6 +167,24 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 1, 16), (4, 2, 80), (6, 3, 24)])  # 24: the SDPA path
+def test_attention_reads_an_fp8_cache(dtype: torch.dtype, hq: int, hk: int, d: int) -> None:
+    """A float8_e5m2 cache (`--kv-cache-dtype fp8_e5m2`): the decode kernel widens the bytes exactly, so it gives
+    what it gives over the same values held in float32; prefill chunks (the SDPA path) too."""
+    from rivulet.kernels.cpu.attention import FP8_DECODE
+
+    spec = [(20, 1), (0, 1), (3, 4), (47, 1), (16, 1), (0, 6)]
+    meta, cache, q = _paged_batch(spec, 4, hq, hk, d, dtype)
+    fp8 = cache.to(torch.float8_e5m2)
+    got = paged_attention_cpu(q, fp8, meta, d**-0.5)
+    want = paged_attention_cpu(q.float(), fp8.float(), meta, d**-0.5)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    if ext is not None and hasattr(ext, "prefill_attention_amx"):  # an AVX-512 build: its decode kernel reads fp8
+        assert FP8_DECODE
+
+
 def _paged_batch(spec: list[tuple[int, int]], bs: int, hq: int, hk: int, d: int, dtype: torch.dtype):
     """A flat batch of (cached, new) chunks over scattered pages, a random cache and queries."""
     meta, num_blocks = scattered_batch(spec, bs)

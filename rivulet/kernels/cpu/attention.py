@@ -28,6 +28,9 @@ from rivulet.kernels.cpu import load_cpu_ext
 _PLAN_KEYS = ("cpu_decode_rows", "cpu_decode_seqs", "cpu_prefill_seqs")
 _ext = load_cpu_ext()
 DECODE_KERNEL = _ext is not None
+# the AVX-512 decode kernel also reads a float8_e5m2 cache (`--kv-cache-dtype fp8_e5m2`) at these head dims
+FP8_DECODE = DECODE_KERNEL and bool(getattr(_ext, "FP8_DECODE_KERNEL", False))
+_FP8_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 PREFILL_KERNEL = _ext is not None and hasattr(_ext, "prefill_attention")  # AVX-512 code
 PREFILL_KERNEL_BF16 = PREFILL_KERNEL and bool(_ext.PREFILL_ATTENTION_BF16)
 if PREFILL_KERNEL and os.environ.get("RIVULET_CPU_PREFILL_AMX") == "0":
@@ -63,8 +66,9 @@ def paged_attention_cpu(
     # compiled graph keeps both calls, whatever the step holds
     traced = torch.compiler.is_compiling()
     if traced or rows.shape[0]:
-        if DECODE_KERNEL and not softcap and query.dtype == kv_cache.dtype and query.dtype in (torch.float32,
-                                                                                               torch.bfloat16):
+        cache_fits = query.dtype == kv_cache.dtype or (
+            kv_cache.dtype == torch.float8_e5m2 and FP8_DECODE and query.shape[-1] in _FP8_HEAD_DIMS)
+        if DECODE_KERNEL and not softcap and cache_fits and query.dtype in (torch.float32, torch.bfloat16):
             torch.ops.rivulet.decode_attention.default(query, kv_cache, meta.block_tables, meta.seq_lens, rows, seqs,
                                                        out, scale, window)
         else:

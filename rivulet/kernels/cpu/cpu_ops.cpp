@@ -351,12 +351,18 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
   // values start `plane` elements after the keys: a half, or 0 where they are the keys (an MLA latent cache)
   const int64_t bs = kv_cache.size(2), Hk = kv_cache.size(3), G = Hq / Hk, plane = kv_cache.stride(0);
   const int64_t maxb = bt.size(1);
+  const bool fp8 = kv_cache.scalar_type() == at::ScalarType::Float8_e5m2;  // keys and values in one byte
   dispatch(query, "decode_attention", [&](auto tag) {
     using TT = decltype(tag);
-    TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "decode_attention: cache dtype");
-    const TT* cache = kv_cache.data_ptr<TT>();
+    TORCH_CHECK(fp8 || kv_cache.scalar_type() == query.scalar_type(), "decode_attention: cache dtype");
+    const TT* cache = fp8 ? nullptr : kv_cache.data_ptr<TT>();
 #ifdef RIVULET_DECODE_KERNEL
     const DecodeGroupFn<TT> fast = decode_group_for<TT>(D);
+    const DecodeGroupFn<E5M2> fast8 = fp8 ? decode_group_for<E5M2>(D) : nullptr;
+    const E5M2* cache8 = fp8 ? reinterpret_cast<const E5M2*>(kv_cache.data_ptr()) : nullptr;
+    TORCH_CHECK(!fp8 || fast8 != nullptr, "decode_attention: an fp8 cache takes head dims 16-256 of the kernel");
+#else
+    TORCH_CHECK(!fp8, "decode_attention: an fp8 cache needs the AVX-512 kernel");
 #endif
     at::parallel_for(0, S * Hk, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> qf(G * D), acc(G * D), sc;
@@ -372,7 +378,10 @@ void decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor
         const int64_t n = L - start;
         sc.assign(G * n, 0.f);
 #ifdef RIVULET_DECODE_KERNEL
-        if (fast != nullptr) {
+        if (fp8) {
+          fast8(qf.data(), G, cache8 + h * D, cache8 + plane + h * D, table, start, L, bs, bs * Hk * D, Hk * D,
+                float(scale), sc.data(), acc.data());
+        } else if (fast != nullptr) {
           fast(qf.data(), G, cache + h * D, cache + plane + h * D, table, start, L, bs, bs * Hk * D, Hk * D,
                float(scale), sc.data(), acc.data());
         } else
@@ -749,6 +758,11 @@ void copy_blocks(std::vector<torch::Tensor> src, std::vector<torch::Tensor> dst,
 }
 
 void register_cpu_ops(py::module& m) {
+#ifdef RIVULET_DECODE_KERNEL
+  m.attr("FP8_DECODE_KERNEL") = true;  // decode_attention reads float8_e5m2 caches
+#else
+  m.attr("FP8_DECODE_KERNEL") = false;
+#endif
   m.def("copy_blocks", &copy_blocks);
   m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("argmax_rows", &argmax_rows);

@@ -17,6 +17,16 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// float8_e5m2 (a `--kv-cache-dtype fp8_e5m2` cache): the high byte of an IEEE half, so 16 of them widen to
+// halves by a byte shift and to floats by vcvtph2ps (AVX-512F)
+struct E5M2 {
+  uint8_t bits;
+};
+inline __m512 load16(const E5M2* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+
 using simd::exp16;
 
 // The horizontal sums of a, b, c, d as one vector [sum a, sum b, sum c, sum d].
