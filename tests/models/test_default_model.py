@@ -150,7 +150,7 @@ def test_bfloat16_agrees_with_float32(prompts, reference, capsys):
     assert rate >= 0.95 and mean_dlp < 0.04
 
 
-FP8_FLOOR = (0.88, 0.18)  # measured 0.910 / 0.138 on these 480 steps (Xeon, AMX): e5m2 keeps two mantissa bits
+FP8_FLOOR = (0.87, 0.19)  # measured 0.900-0.910 / 0.138-0.144 on these 480 steps (Xeon, AMX): e5m2 keeps 2 mantissa bits
 
 
 def test_fp8_kv_cache_agrees_with_float32(prompts, reference, capsys):

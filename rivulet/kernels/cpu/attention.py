@@ -75,7 +75,13 @@ def paged_attention_cpu(
             torch.ops.rivulet.cpu_sdpa_decode(query, kv_cache, meta.block_tables, meta.seq_lens, rows, seqs, out,
                                               scale, window, softcap)
     if traced or prefill.shape[0]:
-        if not softcap and prefill_kernel(query, kv_cache):
+        widen = kv_cache.dtype == torch.float8_e5m2 and not traced
+        if widen and not softcap and prefill_kernel(query, kv_cache, widened=True):
+            # an fp8 cache: the blocks the chunks read, widened, to the same kernel
+            cache, tables = _widened_blocks(kv_cache, meta.block_tables, prefill, meta.seq_lens, query.dtype)
+            torch.ops.rivulet.prefill_attention.default(query, cache, tables, meta.query_start_loc, meta.seq_lens,
+                                                        prefill, out, scale, window)
+        elif not softcap and prefill_kernel(query, kv_cache):
             torch.ops.rivulet.prefill_attention.default(query, kv_cache, meta.block_tables, meta.query_start_loc,
                                                         meta.seq_lens, prefill, out, scale, window)
         else:
@@ -148,10 +154,25 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     return o[0].transpose(0, 1)
 
 
-def prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def _widened_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor, seqs: torch.Tensor, seq_lens: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks that sequences `seqs` read, in `dtype`, as a cache of their own, and the block tables
+    renumbered into it (an fp8 cache's prefill chunks; the rest of the cache is not touched)."""
+    bs = kv_cache.shape[2]
+    counts = (seq_lens[seqs].long() + bs - 1) // bs
+    cols = torch.arange(block_tables.shape[1])
+    used = block_tables[seqs].long()[cols[None, :] < counts[:, None]]
+    blocks = torch.unique(used)
+    remap = torch.zeros(kv_cache.shape[1], dtype=block_tables.dtype)
+    remap[blocks] = torch.arange(blocks.numel(), dtype=block_tables.dtype)
+    return kv_cache[:, blocks].to(dtype), remap[block_tables.long().clamp(0, kv_cache.shape[1] - 1)]
+
+
+def prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor, widened: bool = False) -> bool:
     """Whether the C++ prefill kernel takes this layer: float32, or bf16 where AVX512-BF16 is; head groups
-    of at most 32 query heads; query rows with the head dim contiguous."""
-    if not PREFILL_KERNEL or query.dtype != kv_cache.dtype:
+    of at most 32 query heads; query rows with the head dim contiguous. `widened`: the cache's blocks are
+    handed over in the query's dtype (`_widened_blocks`)."""
+    if not PREFILL_KERNEL or (query.dtype != kv_cache.dtype and not widened):
         return False
     if not (query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and PREFILL_KERNEL_BF16)):
         return False
