@@ -39,7 +39,7 @@ def packed_shape(n: int, k: int) -> tuple[int, ...]:
 
 
 @ours
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 64, 300, 1000])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64), (80, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_our_linear_is_as_exact_as_onednn(rows: int, shape: tuple[int, int], bias: bool) -> None:
@@ -77,11 +77,12 @@ def test_our_linear_rows_do_not_depend_on_the_batch() -> None:
     a request's numbers do not change with what else is in the step (oneDNN's change at 64 rows)."""
     w = randn(576, 1536, dtype=torch.bfloat16)
     packed = cpu_ops.pack_linear_weight(w)
-    x = randn(70, 1536, dtype=torch.bfloat16, seed=3)
+    x = randn(400, 1536, dtype=torch.bfloat16, seed=3)  # row blocks of 16 and 32, several super blocks (AMX)
     whole = cpu_ops.packed_linear(x, packed)
-    for i in (0, 5, 6, 15, 16, 69):
+    for i in (0, 5, 6, 15, 16, 69, 170, 399):
         assert torch.equal(cpu_ops.packed_linear(x[i:i + 1], packed)[0], whole[i])
-    assert torch.equal(cpu_ops.packed_linear(x[16:33], packed), whole[16:33])
+    for lo, hi in ((16, 33), (150, 190), (0, 70)):
+        assert torch.equal(cpu_ops.packed_linear(x[lo:hi], packed), whole[lo:hi])
 
 
 @ours

@@ -6,7 +6,9 @@
 // This kernel is that matmul with nothing around it: the weight packed once into 1 KiB B tiles
 // ([N/16][K/32][16 k-pairs][16 columns][2]), C tiles of 16 rows x 16 columns accumulated in fp32,
 // rounded to bf16 once (round to nearest even, as oneDNN and PyTorch). Each output row depends on its
-// own input row only, whatever the batch (no algorithm chosen by M).
+// own input row only, whatever the batch: the blocking changes with M (1 x 4 tiles up to 16 rows, where the
+// weight streams from memory once; 2 x 2 tiles above, 1.1-1.3x faster at 32-2048 rows), the order of each
+// row's sums does not.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +17,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "simd.h"
@@ -67,6 +70,9 @@ __attribute__((target("avx512f,avx512bf16"))) void store_rows(const float* c, in
   }
 }
 
+using BlockFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int, const at::BFloat16*,
+                         at::BFloat16*, int64_t);
+
 // G column blocks of 16 (G <= 4) for `rows` rows starting at x
 template <int G>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block(
@@ -94,10 +100,54 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block(
   store_rows(c, rows, G * kTileN, bias, out, ldo);
 }
 
+// Steps of more than 16 rows: blocks of up to 32 rows x 32 columns, C tiles 0-3 (A tile r x B tile c in 2r + c),
+// A tiles 4-5 (rows 0-15 and 16-31 of the block), B tiles 6-7 (two column blocks). Each tile load serves two
+// products (one per tile in the 1 x G blocks above); rows1 = 0: one A tile.
+__attribute__((target("amx-tile"))) void configure_tiles_2x2(int rows0, int rows1) {
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
+  _tile_loadconfig(&cfg);
+}
+
+template <int R, int C>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block_2x2(
+    const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kb_count, int rows, const at::BFloat16* bias,
+    at::BFloat16* out, int64_t ldo) {
+  _tile_zero(0);
+  if constexpr (C > 1) _tile_zero(1);
+  if constexpr (R > 1) _tile_zero(2);
+  if constexpr (R > 1 && C > 1) _tile_zero(3);
+  const at::BFloat16* w1 = w + kb_count * kTileElems;  // the second column block
+  const at::BFloat16* x1 = x + 16 * ldx;
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    // A0's products first, so that the next A0 and B0 loads overlap this iteration's last products
+    _tile_loadd(4, x + kb * kTileK, ldx * 2);
+    _tile_loadd(6, w + kb * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C > 1) { _tile_loadd(7, w1 + kb * kTileElems, 64); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (R > 1) {
+      _tile_loadd(5, x1 + kb * kTileK, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[32 * 64];
+  _tile_stored(0, c, 256);
+  if constexpr (C > 1) _tile_stored(1, c + 16, 256);
+  if constexpr (R > 1) _tile_stored(2, c + 16 * 64, 256);
+  if constexpr (R > 1 && C > 1) _tile_stored(3, c + 16 * 64 + 16, 256);
+  store_rows(c, rows, C * kTileN, bias, out, ldo);
+}
+
+constexpr BlockFn kBlocks2x2[3][3] = {{nullptr, nullptr, nullptr},
+                                      {nullptr, tile_block_2x2<1, 1>, tile_block_2x2<1, 2>},
+                                      {nullptr, tile_block_2x2<2, 1>, tile_block_2x2<2, 2>}};
+
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-using BlockFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int, const at::BFloat16*,
-                         at::BFloat16*, int64_t);
 constexpr BlockFn kBlocks[5] = {nullptr, tile_block<1>, tile_block<2>, tile_block<3>, tile_block<4>};
 
 }  // namespace
@@ -137,8 +187,32 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const auto* xp = x2.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  // tasks of G column blocks; G as large as keeps every thread busy (fewer, longer weight streams)
   const int64_t threads = at::get_num_threads();
+  if (m > 16) {
+    // each thread a contiguous share of the column pairs; rows in super blocks whose input (MS x K) stays in
+    // L2 while the thread's pairs pass, each pair's weight (2 x K x 32 bytes) in L1 while the block's rows pass
+    const int64_t pairs = (nb_count + 1) / 2;
+    const int64_t ms_rows = std::max<int64_t>(32, (int64_t(512) * 1024 / (2 * k)) / 32 * 32);
+    at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t p0, int64_t p1) {
+      int configured = -1;
+      for (int64_t ms = 0; ms < m; ms += ms_rows) {
+        const int64_t ms_end = std::min(m, ms + ms_rows);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t nb = 2 * p;
+          const int cols = static_cast<int>(std::min<int64_t>(2, nb_count - nb));
+          for (int64_t m0 = ms; m0 < ms_end; m0 += 32) {
+            const int rows = static_cast<int>(std::min<int64_t>(32, ms_end - m0));
+            if (rows != configured) configure_tiles_2x2(std::min(rows, 16), std::max(rows - 16, 0)), configured = rows;
+            kBlocks2x2[rows > 16 ? 2 : 1][cols](xp + m0 * ldx, ldx, wp + nb * kb_count * kTileElems, kb_count, rows,
+                                                  bp ? bp + nb * kTileN : nullptr, op + m0 * n + nb * kTileN, n);
+          }
+        }
+      }
+      if (configured >= 0) release_tiles();
+    });
+    return out.view(sizes);
+  }
+  // tasks of G column blocks; G as large as keeps every thread busy (fewer, longer weight streams)
   int g = 4;
   while (g > 1 && (nb_count + g - 1) / g < 4 * threads) g /= 2;
   const int64_t tasks = (nb_count + g - 1) / g;
