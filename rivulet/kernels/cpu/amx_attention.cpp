@@ -1,17 +1,20 @@
 // Prefill attention on Intel AMX tiles: the flash attention of prefill_attention.cpp with both matmuls of
 // a key block on the tile unit, for bf16 caches with head dims of whole 32-element tile rows.
 //
-// A tile of work is 16 consecutive query tokens of one (sequence, kv head) with all G query heads that
-// share it. For each block of 32 keys:
+// A tile of work is 16 consecutive query tokens of one (sequence, kv head); its G query heads are done one
+// after another, each over softmax blocks of 128 keys (four sub-blocks of 32):
 //   S^T [keys x tokens] = K Q^T   A: 16 keys read in place from their cache page (block_size % 16 == 0),
 //                                 B: the head's Q^T in dim pairs, packed once per tile; fp32 C tiles
-//   online softmax with the tokens in the vector lanes (vertical, as in the AVX-512 kernel)
+//   online softmax with the tokens in the vector lanes (vertical, as in the AVX-512 kernel), in base 2
 //   O [tokens x D] += P V         A: P in bf16 (the lanes' P^T packed in key pairs, then a 16 x 16
 //                                 dword transpose), B: value rows interleaved in key pairs, packed once
-//                                 per key block for the G heads
-// O stays in fp32 outside the tiles (scaled by the softmax's correction per token) and is normalized at
-// the end. bf16 inputs, fp32 scores and sums, P rounded to bf16 for P V: the arithmetic of the AVX-512
-// kernel and of PyTorch's flash kernel, in another order of the sums.
+//                                 per call for every (sequence, kv head) and shared by all its tiles
+// P V of a block's four sub-blocks sums in the C tiles; O stays in fp32 outside them (scaled by the
+// softmax's correction per token once a block) and is normalized at the end. The scores of the next
+// (head, block) are issued to the tile unit before this block's softmax, so that they run beside it.
+// bf16 inputs, fp32 scores and sums, P rounded to bf16 for P V: the arithmetic of the AVX-512 kernel and of
+// PyTorch's flash kernel, in another order of the sums. 1.1x the kernel with 32-key blocks, heads side by
+// side and V packed per tile (benchmarks/cpu_prefill_attention.py, 1024-token prompts).
 #include "prefill_attention.h"
 
 #ifdef __AVX512BF16__
@@ -26,10 +29,9 @@ namespace prefill {
 namespace {
 
 constexpr int64_t M = 16;   // query tokens of a tile (rows of the C and A tiles)
-constexpr int64_t KB = 32;  // keys of a block: two S^T tiles, the K dim of one P tile
-// tiles (their numbers are immediates): S^T in C tiles 0-1 from A tile 2 (keys) and B tile 3 (Q^T); P V in C
-// tiles 4-5 from A tile 6 (P) and B tile 7 (V). Apart, so that the next head's S^T is on the tile unit while
-// the vector units run this head's softmax.
+constexpr int64_t KB = 32;  // keys of a sub-block: two S^T tiles, the K dim of one P tile
+// tiles (their numbers are immediates): S^T in C tiles 0-1, P V in C tiles 4-5; the inputs of each in the
+// others, chosen so that no load waits for a product still reading its tile (see sub_scores and the P V loop).
 
 __attribute__((target("amx-tile"))) void configure_tiles() {
   TileConfig cfg;
@@ -63,35 +65,74 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-struct Scratch {
-  std::vector<uint32_t> qt;  // [G][D/2 dim pairs][16 tokens]: Q^T, B tiles of 16 pairs each
-  std::vector<uint32_t> vb;  // [D/16][16 key pairs][16 dims]: V in key pairs, a B tile per 16 dims
-  std::vector<float> s;      // [2][32 keys][16 tokens]: S^T of two heads (one stored while the next computes)
-  std::vector<uint32_t> pa;  // [16 tokens][16 key pairs]: P, an A tile
-  std::vector<float> pv;     // [16 tokens][64]: two C tiles of P V (row stride 64 floats)
-  std::vector<float> o;      // [G][16 tokens][D]: output accumulators
-  std::vector<float> ml;     // [G][2][16]: running max and sum per token
-  Scratch(int64_t G, int64_t D)
-      : qt(G * D / 2 * M), vb(D * M), s(2 * KB * M), pa(M * M), pv(M * 64), o(G * M * D), ml(G * 2 * M) {}
-};
+constexpr int64_t NSB = 4;         // 32-key sub-blocks of a softmax block
+constexpr int64_t KS = KB * NSB;   // keys of a softmax block
+constexpr float kLog2e = 1.44269504088896341f;
 
-// S^T of one head for the block's 16 or 32 keys into C tiles 0 (and 1): kp0/kp1 are the keys' page rows
-__attribute__((target("amx-tile,amx-bf16"))) inline void issue_scores(const uint32_t* qt, const at::BFloat16* kp0,
-                                                                     const at::BFloat16* kp1, int64_t kstride, int64_t D) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t c = 0; c < D / 32; ++c) {
-    _tile_loadd(3, qt + c * M * M, 64);
-    _tile_loadd(2, kp0 + c * 32, kstride);
-    _tile_dpbf16ps(0, 2, 3);
-    if (kp1) {
-      _tile_loadd(2, kp1 + c * 32, kstride);
-      _tile_dpbf16ps(1, 2, 3);
-    }
-  }
+// 2^x for 16 floats, x <= 0 (softmax in base 2, the scale and log2(e) folded into one multiply): x = n + r,
+// |r| <= 1/2, 2^r by its Taylor series to degree 6 (relative error ~1e-7), times 2^n by scalef.
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const Tile& t, Scratch& sc) {
+// Where each (sequence, kv head)'s packed values start: 32-key blocks from key 32 * b0.
+struct VSpan {
+  const uint32_t* base = nullptr;
+  int64_t b0 = 0;
+};
+
+struct Scratch {
+  std::vector<uint32_t> qt;  // [G][D/2 dim pairs][16 tokens]: Q^T of each head, B tiles of 16 pairs
+  std::vector<float> s;      // [2][KS keys][16 tokens]: S^T of two softmax blocks (the next one in flight)
+  std::vector<uint32_t> pa;  // [NSB][16 tokens][16 key pairs]: P, an A tile per sub-block
+  std::vector<float> pv;     // [16 tokens][32]: two C tiles of P V
+  std::vector<float> o;      // [16 tokens][D]: output accumulators of the head
+  Scratch(int64_t G, int64_t D) : qt(G * D / 2 * M), s(2 * KS * M), pa(NSB * M * M), pv(M * 32), o(M * D) {}
+};
+
+// S^T of one 32-key sub-block (its halves at page rows kp0, kp1; kp1 null: 16 keys) into C tiles 0-1, stored.
+// Dims in pairs of 32: Q^T in tiles 3 and 7, the keys in 2, 6 and 4, 5, so that no load waits for a product
+// still reading its tile (tiles 4-7 are the P V tiles, free here: P V comes after in program order).
+__attribute__((target("amx-tile,amx-bf16"))) inline void sub_scores(const uint32_t* qt, const at::BFloat16* kp0,
+                                                                   const at::BFloat16* kp1, int64_t kstride,
+                                                                   int64_t D, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t c = 0; c < D / 32; c += 2) {
+    const bool pair = c + 1 < D / 32;
+    _tile_loadd(3, qt + c * M * M, 64);
+    _tile_loadd(2, kp0 + c * 32, kstride);
+    if (kp1) _tile_loadd(6, kp1 + c * 32, kstride);
+    if (pair) {
+      _tile_loadd(7, qt + (c + 1) * M * M, 64);
+      _tile_loadd(4, kp0 + (c + 1) * 32, kstride);
+      if (kp1) _tile_loadd(5, kp1 + (c + 1) * 32, kstride);
+    }
+    _tile_dpbf16ps(0, 2, 3);
+    if (kp1) _tile_dpbf16ps(1, 6, 3);
+    if (pair) {
+      _tile_dpbf16ps(0, 4, 7);
+      if (kp1) _tile_dpbf16ps(1, 5, 7);
+    }
+  }
+  _tile_stored(0, s, 64);
+  if (kp1) _tile_stored(1, s + M * M, 64);
+}
+
+// A tile's work as jobs (head g, softmax block from key ks), one after another; the scores of job i + 1 are
+// issued to the tile unit before job i's softmax, so that they run beside it.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const Tile& t, const VSpan& vs,
+                                                              Scratch& sc) {
   using T = at::BFloat16;
   const int64_t D = a.D, G = a.G, DW = D / 2, DN = D / 16, n = t.n;
   int32_t pos[M];
@@ -99,8 +140,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
   const __m512i posv = _mm512_loadu_si512(pos);
   const int64_t hi = pos[n - 1] + 1;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos[0] - a.window + 1) : 0;
-  // Q^T of each head in dim pairs (tokens past the tile repeat the last one: finite, never written out)
-  for (int64_t g = 0; g < G; ++g) {
+  const int64_t k_first = lo / KB * KB, blocks = (hi - k_first + KS - 1) / KS, jobs = G * blocks;
+  for (int64_t g = 0; g < G; ++g) {  // Q^T in dim pairs (tokens past the tile repeat the last one)
     uint32_t* qt = sc.qt.data() + g * DW * M;
     for (int64_t r = 0; r < M; ++r) {
       const T* q = static_cast<const T*>(a.query) + (t.row0 + t.first + std::min(r, n - 1)) * a.q_stride0 +
@@ -108,128 +149,184 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
       for (int64_t w = 0; w < DW; ++w) std::memcpy(&qt[w * M + r], q + 2 * w, 4);
     }
   }
-  std::fill(sc.o.begin(), sc.o.end(), 0.f);
-  for (int64_t g = 0; g < G; ++g) {
-    _mm512_storeu_ps(sc.ml.data() + g * 2 * M, _mm512_set1_ps(-INFINITY));
-    _mm512_storeu_ps(sc.ml.data() + g * 2 * M + M, _mm512_setzero_ps());
-  }
   const T* keys = static_cast<const T*>(a.keys);
-  const T* values = static_cast<const T*>(a.values);
-  auto token = [&](const T* plane, int64_t k) {
-    return plane + (int64_t(t.table[k / a.bs]) * a.bs + k % a.bs) * a.tok_stride + t.h * D;
+  auto key_row = [&](int64_t k) {
+    return keys + (int64_t(t.table[k / a.bs]) * a.bs + k % a.bs) * a.tok_stride + t.h * D;
   };
   const int64_t kstride = a.tok_stride * int64_t(sizeof(T));
-  for (int64_t k0 = lo / M * M; k0 < hi; k0 += KB) {
-    const int64_t nk = std::min(KB, hi - k0);  // keys before the end (those before `lo` are masked)
-    // V in key pairs for all heads (keys past the end: the last key again, with P = 0). Each 16 keys lie in
-    // one page, so a row is its group's page row plus an offset (no division per key).
-    const T* vpage[2] = {token(values, k0), nk > M ? token(values, k0 + M) : nullptr};
-    auto vrow = [&](int64_t j) {
-      j = std::min(j, nk - 1);
-      return vpage[j / M] + (j % M) * a.tok_stride;
-    };
-    for (int64_t jp = 0; jp < KB / 2; ++jp) {
-      const T* v0 = vrow(2 * jp);
-      const T* v1 = vrow(2 * jp + 1);
-      for (int64_t dn = 0; dn < DN; ++dn)
-        _mm512_storeu_si512(sc.vb.data() + (dn * M + jp) * M,
-                            interleave_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dn * 16)),
-                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dn * 16))));
+  auto issue = [&](int64_t job) {  // S^T of a job's sub-blocks into its half of sc.s
+    const int64_t g = job / blocks, ks = k_first + job % blocks * KS;
+    float* s = sc.s.data() + (job & 1) * KS * M;
+    for (int64_t k0 = ks; k0 < std::min(hi, ks + KS); k0 += KB)
+      sub_scores(sc.qt.data() + g * DW * M, key_row(k0), hi - k0 > M ? key_row(k0 + M) : nullptr, kstride, D,
+                 s + (k0 - ks) * M);
+  };
+  const __m512 c = _mm512_set1_ps(a.scale * kLog2e);
+  const int64_t vblock = D * KB / 2;  // uint32 per packed 32-key block
+  T* out = static_cast<T*>(a.out);
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();  // running max (base 2, scaled) and sum
+  std::fill(sc.o.begin(), sc.o.end(), 0.f);
+  issue(0);
+  for (int64_t job = 0; job < jobs; ++job) {
+    if (job + 1 < jobs) issue(job + 1);
+    const int64_t g = job / blocks, ks = k_first + job % blocks * KS;
+    const float* s = sc.s.data() + (job & 1) * KS * M;
+    const int64_t nkeys = std::min(KS, hi - ks), nsb = (nkeys + KB - 1) / KB;
+    // online softmax over the block, per token (lane); a block that every token sees whole needs no masks
+    const bool whole = ks + nkeys - 1 <= pos[0] && ks >= lo && (a.window == 0 || pos[M - 1] - ks < a.window);
+    __mmask16 valid[KS];
+    __m512 bmax = _mm512_set1_ps(-INFINITY);
+    if (whole) {
+      for (int64_t j = 0; j < nkeys; ++j) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
+    } else {
+      for (int64_t j = 0; j < nkeys; ++j) {
+        const __m512i key = _mm512_set1_epi32(int(ks + j));
+        __mmask16 v = _mm512_cmpge_epi32_mask(posv, key);
+        if (a.window > 0) v &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(posv, key), _mm512_set1_epi32(int(a.window)));
+        valid[j] = v;
+        bmax = _mm512_mask_max_ps(bmax, v, bmax, _mm512_loadu_ps(s + j * M));
+      }
     }
-    __mmask16 valid[KB];  // per key: the tokens (lanes) that see it
-    for (int64_t j = 0; j < KB; ++j) {
-      const __m512i key = _mm512_set1_epi32(int(k0 + j));
-      valid[j] = j < nk ? _mm512_cmpge_epi32_mask(posv, key) : __mmask16(0);
-      if (a.window > 0)
-        valid[j] &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(posv, key), _mm512_set1_epi32(int(a.window)));
-    }
-    const T* kp0 = token(keys, k0);  // 16 keys of one page
-    const T* kp1 = nk > M ? token(keys, k0 + M) : nullptr;
-    issue_scores(sc.qt.data(), kp0, kp1, kstride, D);  // S^T = K Q^T of the first head
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = sc.s.data() + (g & 1) * KB * M;
-      _tile_stored(0, s, 64);
-      if (kp1) _tile_stored(1, s + M * M, 64);
-      if (g + 1 < G) issue_scores(sc.qt.data() + (g + 1) * DW * M, kp0, kp1, kstride, D);  // runs beside the softmax
-      // online softmax over the block, per token (lane)
-      float* ml = sc.ml.data() + g * 2 * M;
-      const __m512 m_old = _mm512_loadu_ps(ml), l_old = _mm512_loadu_ps(ml + M);
-      const __m512 scale = _mm512_set1_ps(a.scale);
-      __m512 bmax = _mm512_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < nk; ++j)
-        bmax = _mm512_mask_max_ps(bmax, valid[j], bmax, _mm512_mul_ps(_mm512_loadu_ps(s + j * M), scale));
-      const __m512 mn = _mm512_max_ps(m_old, bmax);
-      const __m512 mu = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
-                                             _mm512_setzero_ps());  // tokens with nothing seen yet: 0
-      const __m512 alpha = exp16(_mm512_sub_ps(m_old, mu));
-      __m512 sum = _mm512_setzero_ps();
+    const __m512 mn = _mm512_max_ps(m, _mm512_mul_ps(bmax, c));
+    const __m512 mu = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
+                                           _mm512_setzero_ps());  // tokens with nothing seen yet: 0
+    const __m512 alpha = exp2_16(_mm512_sub_ps(m, mu));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
       __m512i pr[M];  // P^T in key pairs: pr[jp] lane r = (P[r][2jp], P[r][2jp + 1])
       for (int64_t jp = 0; jp < M; ++jp) {
         __m512 p[2];
         for (int e = 0; e < 2; ++e) {
-          const int64_t j = 2 * jp + e;
-          p[e] = j < nk ? _mm512_maskz_mov_ps(valid[j], exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * M), scale, mu)))
-                        : _mm512_setzero_ps();
+          const int64_t j = sb * KB + 2 * jp + e;
+          if (j >= nkeys) {
+            p[e] = _mm512_setzero_ps();
+            continue;
+          }
+          p[e] = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * M), c, mu));
+          if (!whole) p[e] = _mm512_maskz_mov_ps(valid[j], p[e]);
           sum = _mm512_add_ps(sum, p[e]);
         }
         pr[jp] = interleave_bf16((__m256i)_mm512_cvtneps_pbh(p[0]), (__m256i)_mm512_cvtneps_pbh(p[1]));
       }
-      _mm512_storeu_ps(ml, mn);
-      _mm512_storeu_ps(ml + M, _mm512_fmadd_ps(l_old, alpha, sum));
       transpose16(pr);  // pr[r] lane jp: P in key pairs, row r
-      for (int64_t r = 0; r < M; ++r) _mm512_storeu_si512(sc.pa.data() + r * M, pr[r]);
-      alignas(64) float al[M];
-      _mm512_store_ps(al, alpha);
-      // O = alpha O + P V, 32 dims (two C tiles) at a time
-      float* o = sc.o.data() + g * M * D;
-      _tile_loadd(6, sc.pa.data(), 64);
-      for (int64_t dn0 = 0; dn0 < DN; dn0 += 2) {
-        const int64_t cnt = std::min<int64_t>(2, DN - dn0);
-        const uint32_t* vb = sc.vb.data() + dn0 * M * M;
-        _tile_zero(4);
-        _tile_loadd(7, vb, 64);
-        _tile_dpbf16ps(4, 6, 7);
-        if (cnt > 1) {
-          _tile_zero(5);
-          _tile_loadd(7, vb + M * M, 64);
-          _tile_dpbf16ps(5, 6, 7);
-        }
-        _tile_stored(4, sc.pv.data(), 256);
-        if (cnt > 1) _tile_stored(5, sc.pv.data() + 16, 256);
-        for (int64_t r = 0; r < M; ++r) {
-          const __m512 ar = _mm512_set1_ps(al[r]);
-          float* orow = o + r * D + dn0 * 16;
-          for (int64_t i = 0; i < cnt; ++i)
-            _mm512_storeu_ps(orow + i * 16, _mm512_fmadd_ps(_mm512_loadu_ps(orow + i * 16), ar,
-                                                              _mm512_loadu_ps(sc.pv.data() + r * 64 + i * 16)));
+      for (int64_t r = 0; r < M; ++r) _mm512_storeu_si512(sc.pa.data() + (sb * M + r) * M, pr[r]);
+    }
+    m = mn;
+    l = _mm512_fmadd_ps(l, alpha, sum);
+    alignas(64) float al[M];
+    _mm512_store_ps(al, alpha);
+    // O = alpha O + P V, 32 dims (two C tiles) at a time, summed over the sub-blocks in the tiles
+    const uint32_t* vb = vs.base + (ks / KB - vs.b0) * vblock;
+    for (int64_t dn0 = 0; dn0 < DN; dn0 += 2) {
+      const bool two = dn0 + 1 < DN;
+      _tile_zero(4);
+      if (two) _tile_zero(5);
+      // sub-blocks by turns in tiles 6, 7, 3 and 2, 0, 1 (P, V, V): loads never wait for the last products
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint32_t* v = vb + sb * vblock + dn0 * M * M;
+        const uint32_t* pa = sc.pa.data() + sb * M * M;
+        if (sb & 1) {
+          _tile_loadd(2, pa, 64);
+          _tile_loadd(0, v, 64);
+          if (two) _tile_loadd(1, v + M * M, 64);
+          _tile_dpbf16ps(4, 2, 0);
+          if (two) _tile_dpbf16ps(5, 2, 1);
+        } else {
+          _tile_loadd(6, pa, 64);
+          _tile_loadd(7, v, 64);
+          if (two) _tile_loadd(3, v + M * M, 64);
+          _tile_dpbf16ps(4, 6, 7);
+          if (two) _tile_dpbf16ps(5, 6, 3);
         }
       }
+      _tile_stored(4, sc.pv.data(), 128);
+      if (two) _tile_stored(5, sc.pv.data() + 16, 128);
+      for (int64_t r = 0; r < M; ++r) {
+        const __m512 ar = _mm512_set1_ps(al[r]);
+        float* orow = sc.o.data() + r * D + dn0 * 16;
+        for (int64_t i = 0; i < (two ? 2 : 1); ++i)
+          _mm512_storeu_ps(orow + i * 16, _mm512_fmadd_ps(_mm512_loadu_ps(orow + i * 16), ar,
+                                                            _mm512_loadu_ps(sc.pv.data() + r * 32 + i * 16)));
+      }
+    }
+    if (job % blocks == blocks - 1) {  // the head's last block: normalize and write out, then the next head
+      alignas(64) float inv[M];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+      for (int64_t r = 0; r < n; ++r) {
+        const float* orow = sc.o.data() + r * D;
+        T* dst = out + ((t.row0 + t.first + r) * a.Hq + t.h * G + g) * D;
+        const __m512 ir = _mm512_set1_ps(inv[r]);
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(orow + d), ir));
+          std::memcpy(dst + d, &h, 32);
+        }
+      }
+      m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+      std::fill(sc.o.begin(), sc.o.end(), 0.f);
     }
   }
-  T* out = static_cast<T*>(a.out);
-  for (int64_t g = 0; g < G; ++g) {
-    alignas(64) float inv[M];
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(sc.ml.data() + g * 2 * M + M)));
-    for (int64_t r = 0; r < n; ++r) {
-      const float* orow = sc.o.data() + (g * M + r) * D;
-      T* dst = out + ((t.row0 + t.first + r) * a.Hq + t.h * G + g) * D;
-      const __m512 ir = _mm512_set1_ps(inv[r]);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(orow + d), ir));
-        std::memcpy(dst + d, &h, 32);
-      }
-    }
+}
+
+// The values of 32 keys from k0 (those from `end` on: the last key again, finite, their P is 0) in key pairs:
+// D/16 B tiles of [16 key pairs][16 dims].
+void pack_values(const Args& a, const int* table, int64_t h, int64_t k0, int64_t end, uint32_t* dst) {
+  using T = at::BFloat16;
+  const T* values = static_cast<const T*>(a.values);
+  auto row = [&](int64_t k) {
+    k = std::min(k, end - 1);
+    return values + (int64_t(table[k / a.bs]) * a.bs + k % a.bs) * a.tok_stride + h * a.D;
+  };
+  for (int64_t jp = 0; jp < KB / 2; ++jp) {
+    const T* v0 = row(k0 + 2 * jp);
+    const T* v1 = row(k0 + 2 * jp + 1);
+    for (int64_t dn = 0; dn < a.D / 16; ++dn)
+      _mm512_storeu_si512(dst + (dn * M + jp) * M,
+                          interleave_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dn * 16)),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dn * 16))));
   }
 }
 
 }  // namespace
 
 void run_tiles_amx(const Args& a, const std::vector<Tile>& tiles) {
+  // the keys each (sequence, kv head) is read at, from its tiles; their values packed once, for all tiles
+  const int64_t Hk = a.Hq / a.G;
+  int64_t nseq = 0;
+  for (const Tile& t : tiles) nseq = std::max(nseq, t.seq + 1);
+  std::vector<int64_t> lo(nseq * Hk, INT64_MAX), hi(nseq * Hk, 0), off(nseq * Hk, 0), first(nseq * Hk, 0);
+  std::vector<const int*> table(nseq, nullptr);
+  for (const Tile& t : tiles) {
+    const int64_t i = t.seq * Hk + t.h, p0 = t.start + t.first;
+    lo[i] = std::min(lo[i], a.window > 0 ? std::max<int64_t>(0, p0 - a.window + 1) : 0);
+    hi[i] = std::max(hi[i], p0 + t.n);
+    table[t.seq] = t.table;
+  }
+  const int64_t vblock = a.D * KB / 2;
+  std::vector<std::pair<int64_t, int64_t>> units;  // (sequence x head, block)
+  int64_t total = 0;
+  for (int64_t i = 0; i < nseq * Hk; ++i) {
+    if (hi[i] == 0) continue;
+    const int64_t b0 = lo[i] / KB, b1 = (hi[i] + KB - 1) / KB;
+    off[i] = total, first[i] = b0;
+    total += (b1 - b0) * vblock;
+    for (int64_t b = b0; b < b1; ++b) units.emplace_back(i, b);
+  }
+  static std::vector<uint32_t> vpack;  // kept between calls (no page faults per step); calls come one at a time
+  if (int64_t(vpack.size()) < total) vpack.resize(total);
+  at::parallel_for(0, int64_t(units.size()), 4, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const auto [i, b] = units[u];
+      pack_values(a, table[i / Hk], i % Hk, b * KB, hi[i], vpack.data() + off[i] + (b - first[i]) * vblock);
+    }
+  });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch sc(a.G, a.D);
     configure_tiles();
-    for (int64_t i = next++; i < int64_t(tiles.size()); i = next++) amx_tile(a, tiles[i], sc);
+    for (int64_t i = next++; i < int64_t(tiles.size()); i = next++) {
+      const Tile& t = tiles[i];
+      amx_tile(a, t, VSpan{vpack.data() + off[t.seq * Hk + t.h], first[t.seq * Hk + t.h]}, sc);
+    }
     release_tiles();
   });
 }

@@ -266,7 +266,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tenso
     for (int64_t f = 0; f < q_len; f += TQ) {
       const int64_t n = std::min(TQ, q_len - f), last = L - q_len + f + n - 1;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, L - q_len + f - window + 1) : 0;
-      for (int64_t h = 0; h < Hk; ++h) tiles.push_back({bt.data_ptr<int>() + s * maxb, q0, f, n, L - q_len, h, last + 1 - lo});
+      for (int64_t h = 0; h < Hk; ++h) tiles.push_back({bt.data_ptr<int>() + s * maxb, q0, f, n, L - q_len, h, last + 1 - lo, i});
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& x, const Tile& y) { return x.cost > y.cost; });

@@ -31,6 +31,7 @@ struct Tile {
   int64_t start;   // position of the chunk's first query token (context before it)
   int64_t h;       // kv head
   int64_t cost;    // keys it reads (for the schedule)
+  int64_t seq;     // index of its sequence in the call's list
 };
 
 using simd::exp16;
