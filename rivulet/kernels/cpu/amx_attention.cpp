@@ -311,12 +311,14 @@ void run_tiles_amx(const Args& a, const std::vector<Tile>& tiles) {
     total += (b1 - b0) * vblock;
     for (int64_t b = b0; b < b1; ++b) units.emplace_back(i, b);
   }
-  static std::vector<uint32_t> vpack;  // kept between calls (no page faults per step); calls come one at a time
+  // kept between calls (no page faults per step), one per calling thread; the team reads it through `vp`
+  thread_local std::vector<uint32_t> vpack;
   if (int64_t(vpack.size()) < total) vpack.resize(total);
+  uint32_t* const vp = vpack.data();
   at::parallel_for(0, int64_t(units.size()), 4, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const auto [i, b] = units[u];
-      pack_values(a, table[i / Hk], i % Hk, b * KB, hi[i], vpack.data() + off[i] + (b - first[i]) * vblock);
+      pack_values(a, table[i / Hk], i % Hk, b * KB, hi[i], vp + off[i] + (b - first[i]) * vblock);
     }
   });
   std::atomic<int64_t> next{0};
@@ -325,7 +327,7 @@ void run_tiles_amx(const Args& a, const std::vector<Tile>& tiles) {
     configure_tiles();
     for (int64_t i = next++; i < int64_t(tiles.size()); i = next++) {
       const Tile& t = tiles[i];
-      amx_tile(a, t, VSpan{vpack.data() + off[t.seq * Hk + t.h], first[t.seq * Hk + t.h]}, sc);
+      amx_tile(a, t, VSpan{vp + off[t.seq * Hk + t.h], first[t.seq * Hk + t.h]}, sc);
     }
     release_tiles();
   });
