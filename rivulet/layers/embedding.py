@@ -63,8 +63,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [T, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Full-vocabulary logits [T, vocab] in float32, or in the matmul's dtype with `float32=False` (the
+        sampler widens them only where it computes more than an argmax)."""
         logits = F.linear(hidden, self.weight) if self.quant is None else self.quant(hidden, self.weight, None)
-        logits = tensor_parallel_all_gather(logits, self.parallel)
-        return logits[:, : self.num_embeddings].float()
+        logits = tensor_parallel_all_gather(logits, self.parallel)[:, : self.num_embeddings]
+        return logits.float() if float32 else logits

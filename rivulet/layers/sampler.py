@@ -204,7 +204,9 @@ class Sampler(nn.Module):
         self._argmax = get_op("argmax_rows")
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """``logits``: float[rows, vocab], one row per sequence to sample."""
+        """``logits``: float[rows, vocab] (float32, or bf16 widened here), one row per sequence to sample."""
+        if metadata.all_greedy and metadata.max_num_logprobs is None and not self.processes(metadata):
+            return SamplerOutput(sampled_token_ids=self._argmax(logits), logprobs=None)  # any float dtype
         logits = logits.float()  # no copy when already float32; nothing below is in place
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -227,6 +229,12 @@ class Sampler(nn.Module):
             assert metadata.max_num_logprobs is not None
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def processes(metadata: SamplingMetadata) -> bool:
+        """Whether `apply_logits_processors` changes any logit of this batch."""
+        return metadata.logit_bias_rows is not None or metadata.min_tokens_rows is not None \
+            or metadata.output_token_counts is not None
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -86,7 +86,7 @@ class BertModel(nn.Module):
             x = layer(x, meta)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         raise RivuletError("an encoder has no LM head: it serves embeddings (--task embed)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

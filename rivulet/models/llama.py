@@ -203,11 +203,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of every token in the flat batch (a pipeline stage's: see `LlamaModel`)."""
         return self.model(input_ids, positions, meta, received)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden)  # type: ignore[union-attr]
-        if cap := self.config.final_logit_softcapping:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        logits = self.lm_head.compute_logits(hidden, float32 or bool(cap))  # type: ignore[union-attr]
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint tensors this pipeline stage holds (all of them with one stage); a last stage

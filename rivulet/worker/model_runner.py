@@ -279,7 +279,9 @@ class ModelRunner:
             tier.save(out.kv_saves)
         if hidden is None:  # a pipeline stage before the last: it sent its hidden states on
             return None
-        logits = self.model.compute_logits(hidden[step.flat.logits_indices]) if step.sample.any() else None
+        # in the matmul's dtype: the sampler widens them to float32 only when it does more than an argmax
+        logits = self.model.compute_logits(hidden[step.flat.logits_indices], float32=False) \
+            if step.sample.any() else None
         self._pending = (step, hidden, logits)
         return logits
 
@@ -311,7 +313,7 @@ class ModelRunner:
         deferred = None
         if logits is not None:
             if grammar_bitmask is not None:
-                logits = apply_token_bitmask(logits, grammar_bitmask)
+                logits = apply_token_bitmask(logits.float(), grammar_bitmask)
             deferred = self._sample(step, logits, result)
         if step.pool.any():
             self._pool(step, hidden, result)

@@ -391,13 +391,15 @@ def test_copy_blocks_equals_the_reference(dtype: torch.dtype, halves: int) -> No
         ext.copy_blocks(caches[:1], host[1:], blocks, slots)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 16, 33, 49152])
-def test_argmax_rows_is_torchs_argmax(vocab: int) -> None:
+def test_argmax_rows_is_torchs_argmax(vocab: int, dtype: torch.dtype) -> None:
     """Greedy sampling's argmax: torch's index everywhere, ties (the first), +-inf, NaN (the first NaN, as torch),
-    rows of a wider tensor, vocabularies that are not a multiple of the vector width."""
+    rows of a wider tensor, vocabularies that are not a multiple of the vector width; bf16 logits give the
+    index of their float32 copies (an all-greedy step samples the LM head's bf16 output without widening it)."""
     from rivulet.kernels.cpu.ops import argmax_rows
 
-    x = randn(9, vocab, dtype=torch.float32)
+    x = randn(9, vocab, dtype=torch.float32).to(dtype)
     x = torch.cat([x, x], 1)[:, :vocab] if vocab > 1 else x  # rows with a stride wider than the vocabulary
     x[1] = 0.5  # all tied: index 0
     x[2] = float("-inf")
@@ -407,5 +409,11 @@ def test_argmax_rows_is_torchs_argmax(vocab: int) -> None:
         x[5, [vocab - 1, vocab // 2]] = float("nan")  # NaNs win, the first of them
         x[6, 0], x[6, vocab // 2] = -0.0, 0.0
         x[6, 1:vocab // 2], x[6, vocab // 2 + 1:] = -1.0, -1.0
-    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
     assert argmax_rows(x).dtype == torch.int64
+    if dtype == torch.bfloat16 and vocab > 16:  # the C++ kernel, not torch's fallback: bf16 ties broken by index
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1
+        y = torch.zeros(2, vocab, dtype=dtype)
+        y[0, 5], y[0, vocab - 2] = 1.0, 1.0
+        y[1, vocab - 1] = torch.finfo(torch.bfloat16).tiny
+        assert argmax_rows(y).tolist() == [5, vocab - 1]

@@ -98,6 +98,27 @@ def test_bfloat16_logits_are_accepted() -> None:
     assert out.logprobs is not None and out.logprobs.topk_logprobs.dtype == torch.float32
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, presence_penalty=1.5),
+    SamplingParams(temperature=0, logit_bias={3: 40.0}),
+    SamplingParams(temperature=0, min_tokens=2),
+], ids=["plain", "penalty", "bias", "min_tokens"])
+def test_greedy_bf16_logits_equal_their_float32_copy(params: SamplingParams) -> None:
+    """An all-greedy batch with nothing to apply takes the argmax of bf16 logits as they come; with a penalty,
+    a bias or min_tokens the logits are widened first: either way the float32 copy's tokens."""
+    logits = torch.randn(4, 40).to(torch.bfloat16)
+    logits[1, [7, 30]] = logits[1].max() + 1  # a tie: the first index
+    outputs, eos = [[7]] * 4, [{0}] * 4
+    meta = build([params] * 4, vocab=40, outputs=outputs, eos=eos)
+    assert Sampler.processes(meta) == bool(params.presence_penalty or params.logit_bias or params.min_tokens)
+    want = Sampler()(logits.float(), build([params] * 4, vocab=40, outputs=outputs, eos=eos)).sampled_token_ids
+    got = Sampler()(logits, meta).sampled_token_ids
+    assert got.tolist() == want.tolist()
+    if not Sampler.processes(meta):
+        assert got.tolist() == logits.float().argmax(dim=-1).tolist() and got[1].item() == 7
+
+
 # ------------------------------------------------------------------- seeds
 
 

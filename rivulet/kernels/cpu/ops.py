@@ -187,8 +187,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(dim=-1)` of [rows, vocab] float32 logits, in C++ (vectorized; rows over the threads)."""
-    if _ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1 \
+    """`logits.argmax(dim=-1)` of [rows, vocab] float32 or bf16 logits, in C++ (vectorized; rows over the threads)."""
+    if _ext is None or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 \
+            or logits.stride(-1) != 1 \
             or logits.shape[1] == 0:
         return logits.argmax(dim=-1)
     return _ext.argmax_rows(logits)
