@@ -141,7 +141,8 @@ class DraftRunner:
             n = ends[active] - s if j == 0 else np.ones(len(active), np.int64)
             flat = batch.gather(rows_np[active], s, n, graphs=self.graphs)
             hidden = hidden_states(self.model, flat)  # a replay when one token per sequence
-            drafts[active, j] = self._argmax(self.model.compute_logits(hidden[flat.logits_indices], float32=False)).cpu().numpy()
+            logits = self.model.compute_logits(hidden[flat.logits_indices], float32=False)
+            drafts[active, j] = self._argmax(logits).cpu().numpy()
             for i in active.tolist():
                 if depth[i]:  # (a prefill chunk's next position holds a known prompt token)
                     batch.write_ahead(rows[i], int(ends[i]) + j, [int(drafts[i, j])])
