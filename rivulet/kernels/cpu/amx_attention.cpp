@@ -177,8 +177,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     const bool whole = ks + nkeys - 1 <= pos[0] && ks >= lo && (a.window == 0 || pos[M - 1] - ks < a.window);
     __mmask16 valid[KS];
     __m512 bmax = _mm512_set1_ps(-INFINITY);
-    if (whole) {
-      for (int64_t j = 0; j < nkeys; ++j) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
+    if (whole) {  // four running maxima, not one chain of dependent max ops (0.96-0.97x the kernel's time)
+      __m512 b1 = bmax, b2 = bmax, b3 = bmax;
+      int64_t j = 0;
+      for (; j + 4 <= nkeys; j += 4) {
+        bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
+        b1 = _mm512_max_ps(b1, _mm512_loadu_ps(s + (j + 1) * M));
+        b2 = _mm512_max_ps(b2, _mm512_loadu_ps(s + (j + 2) * M));
+        b3 = _mm512_max_ps(b3, _mm512_loadu_ps(s + (j + 3) * M));
+      }
+      for (; j < nkeys; ++j) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
+      bmax = _mm512_max_ps(_mm512_max_ps(bmax, b1), _mm512_max_ps(b2, b3));
     } else {
       for (int64_t j = 0; j < nkeys; ++j) {
         const __m512i key = _mm512_set1_epi32(int(ks + j));
@@ -192,7 +201,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     const __m512 mu = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
                                            _mm512_setzero_ps());  // tokens with nothing seen yet: 0
     const __m512 alpha = exp2_16(_mm512_sub_ps(m, mu));
-    __m512 sum = _mm512_setzero_ps();
+    __m512 sum = _mm512_setzero_ps(), sum1 = sum;  // two running sums (keys of even and odd index)
     for (int64_t sb = 0; sb < nsb; ++sb) {
       __m512i pr[M];  // P^T in key pairs: pr[jp] lane r = (P[r][2jp], P[r][2jp + 1])
       for (int64_t jp = 0; jp < M; ++jp) {
@@ -205,7 +214,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
           }
           p[e] = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * M), c, mu));
           if (!whole) p[e] = _mm512_maskz_mov_ps(valid[j], p[e]);
-          sum = _mm512_add_ps(sum, p[e]);
+          if (e) sum1 = _mm512_add_ps(sum1, p[e]); else sum = _mm512_add_ps(sum, p[e]);
         }
         pr[jp] = interleave_bf16((__m256i)_mm512_cvtneps_pbh(p[0]), (__m256i)_mm512_cvtneps_pbh(p[1]));
       }
@@ -213,7 +222,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
       for (int64_t r = 0; r < M; ++r) _mm512_storeu_si512(sc.pa.data() + (sb * M + r) * M, pr[r]);
     }
     m = mn;
-    l = _mm512_fmadd_ps(l, alpha, sum);
+    l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum, sum1));
     alignas(64) float al[M];
     _mm512_store_ps(al, alpha);
     // O = alpha O + P V, 32 dims (two C tiles) at a time, summed over the sub-blocks in the tiles
