@@ -6,12 +6,14 @@
 - `steps`: the default model's whole step of M tokens after 128 tokens of context (`--quantization int4`,
   bf16, logits of every row, as a verify step of M - 1 drafts has), median of 60;
 - `decode` (`--decode S,...`): batched decode steps of S sequences (128 tokens of context each) with
-  `--quantization int4` in bf16, the decode program against layer by layer, alternated step by step
-  (above 32 sequences the program reads the bf16 panels, the layers the same weights).
+  `--quantization int4` (or bf16 weights, `--decode-weights bf16`) in bf16, the decode program against layer
+  by layer, alternated step by step (above the compact copies' rows the program reads the packed bf16
+  originals, the layers the same weights).
 
     python benchmarks/quant_kernels.py --json benchmarks/results/quant_panels/after.json
     python benchmarks/quant_kernels.py --steps-only --rows 1,5 --reps 300 --json ...   # A/B of two builds
     python benchmarks/quant_kernels.py --decode-only --decode 16,32,48,64 --json ...
+    python benchmarks/quant_kernels.py --decode-only --decode 1,16,64 --decode-weights bf16 --json ...
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def steps(rows: list[int], context: int = 128, reps: int = 60) -> dict:
     return out
 
 
-def decode(seqs: list[int], context: int = 128, reps: int = 30) -> dict:
-    runner = ModelRunner(ModelConfig(model="default", dtype="bfloat16", quantization="int4"),
+def decode(seqs: list[int], context: int = 128, reps: int = 30, weights: str = "int4") -> dict:
+    quantization = None if weights == "bf16" else weights
+    runner = ModelRunner(ModelConfig(model="default", dtype="bfloat16", quantization=quantization),
                          CacheConfig(block_size=16), resolve_model("default"))
     per = context // 16 + 1
     runner.allocate_kv_cache(max(seqs) * per)
@@ -112,6 +115,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=60, help="steps timed per M")
     ap.add_argument("--decode", default="", help="sequence counts of the batched decode steps (e.g. 16,32,48,64)")
     ap.add_argument("--decode-only", action="store_true", help="only the batched decode steps")
+    ap.add_argument("--decode-weights", default="int4", choices=["int4", "int8", "bf16"])
+    ap.add_argument("--decode-reps", type=int, default=30, help="steps timed per S and path")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = [int(r) for r in args.rows.split(",")]
@@ -119,7 +124,9 @@ def main() -> None:
     only = args.steps_only or args.decode_only
     result = {"commit": commit, "linears": {} if only else linears(rows),
               "steps": {} if args.decode_only else steps([r for r in rows if r <= 8], reps=args.reps),
-              "decode": decode([int(s) for s in args.decode.split(",")]) if args.decode else {}}
+              "decode": decode([int(s) for s in args.decode.split(",")], reps=args.decode_reps,
+                                weights=args.decode_weights) if args.decode else {},
+              "decode_weights": args.decode_weights}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""Small steps of a plain Llama-family decoder with int8/int4 or bf16 panel weights as one C++ call.
+"""Small steps of a plain Llama-family decoder with int8/int4 or packed bf16 weights as one C++ call.
 
 A decode step of a small model on a CPU is mostly host work: the layer-by-layer forward makes
 ~11 dispatcher calls a layer, each an OpenMP fork/join, with the interpreter in between (the
@@ -9,11 +9,12 @@ layer-by-layer path does (the same kernels' arithmetic; tests/models/test_decode
 It is the CPU's counterpart of a CUDA-graph replay, and `--enforce-eager` turns it off too.
 
 It takes steps with at most `MAX_QUERY` tokens per sequence: with `--quantization int8|int4`, of up to
-`small_step_rows()` tokens (32; the steps that read the compact weight copies); with bf16 weights packed
-in panels (the kernel of AVX512-BF16 CPUs without AMX, `kernels/cpu/bf16_linear.cpp`), of up to 64 tokens:
-decode steps of that many sequences, k-token verify steps, short prefill chunks. A quantized model whose
-original weights are bf16 panels gets both programs: the compact copies' up to 32 tokens, the panels'
-up to 64 (the steps its layers would run on the original weights). Each token
+`small_step_rows()` tokens (32, 8 on AMX CPUs; the steps that read the compact weight copies); with bf16
+weights as this CPU's linears pack them (panels on AVX512-BF16 CPUs without AMX, `kernels/cpu/bf16_linear.cpp`;
+AMX tiles, `kernels/cpu/amx_linear.cpp`), of up to 64 tokens: decode steps of that many sequences, k-token
+verify steps, short prefill chunks. A quantized model whose original weights are packed bf16 gets both
+programs: the compact copies' small steps, the originals' up to 64 tokens (the steps its layers would run on
+the original weights). Each token
 attends to its own context [0, position] with the decode kernel, so a token of a multi-token step
 gets exactly the numbers it would get decoded alone (the layer-by-layer path takes multi-token
 sequences through the prefill kernel, whose sums run in another order). Bigger steps, and any model
@@ -27,18 +28,19 @@ import torch
 from rivulet.distributed import get_parallel_state
 from rivulet.kernels.attention import AttentionMetadata, BatchLayout
 from rivulet.kernels.cpu import load_cpu_ext
+from rivulet.kernels.cpu import ops as cpu_ops
 from rivulet.layers.attention import Attention
 from rivulet.layers.quantization import Prepacked, WeightOnly
 from rivulet.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
-PANEL_MAX_ROWS = 64  # bf16 panel weights: decode steps of up to this many sequences (any batch the server runs)
+BF16_MAX_ROWS = 64  # bf16 weights (panels or AMX tiles): steps of up to this many tokens (any batch the server runs)
 MAX_QUERY = 8  # tokens of one sequence in a step the program takes (a verify step's 1 + k, a short chunk)
 
 
 class DecodeProgram:
     """The native programs, each with the most tokens it takes, fewest first (`run` returns None for any
-    other step): one, or a quantized model's compact-copy program and its bf16-panel program."""
+    other step): one, or a quantized model's compact-copy program and its packed-bf16 program."""
 
     def __init__(self, natives: list[tuple[int, object]]) -> None:
         self.natives = sorted(natives, key=lambda rn: rn[0])
@@ -64,7 +66,7 @@ class DecodeProgram:
 
 
 def _weights(linear: torch.nn.Module, original: bool = False) -> tuple[torch.Tensor, int] | None:
-    """A linear's weight as the program reads it (int8/int4 or bf16 panels), and the most rows it serves;
+    """A linear's weight as the program reads it (int8/int4, bf16 panels or AMX tiles), and the most rows it serves;
     None if it cannot. `original`: a quantized linear's original weight instead of its compact copy."""
     quant = getattr(linear, "quant", None)  # (a LoRA server's linears have adapter slots: the runner runs
     # the program only for steps in which no row has an adapter)
@@ -73,9 +75,11 @@ def _weights(linear: torch.nn.Module, original: bool = False) -> tuple[torch.Ten
             return quant.panels, quant.max_rows
         quant = quant.dense
     packed = quant.packed if isinstance(quant, Prepacked) else None
-    if packed is not None and packed.dim() == 3 and packed.dtype == torch.bfloat16 and getattr(
-            load_cpu_ext(), "DECODE_PROGRAM_PANELS", False):
-        return packed, PANEL_MAX_ROWS
+    if packed is None or packed.dtype != torch.bfloat16:
+        return None
+    if (packed.dim() == 3 and getattr(load_cpu_ext(), "DECODE_PROGRAM_PANELS", False)) or (
+            packed.dim() == 4 and cpu_ops.AMX_BF16):
+        return packed, BF16_MAX_ROWS
     return None
 
 
@@ -106,7 +110,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return "the KV cache is not bound or not in the activation dtype"
         if any(_weights(lin) is None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return ("the linears do not all have weight-only int8/int4 copies (--quantization int8|int4) or bf16 "
-                    "panel weights (AVX512-BF16 CPUs without AMX)")
+                    "weights packed in panels (AVX512-BF16 CPUs) or AMX tiles")
         if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return "biases beyond the QKV projection"
     return None
@@ -126,7 +130,7 @@ def build_decode_program(model: torch.nn.Module) -> tuple[DecodeProgram | None, 
     natives = []
     for ws in candidates:
         if any(w is None for lw in ws for w in lw):
-            continue  # a quantized model's original weights that are not bf16 panels
+            continue  # a quantized model's original weights that are not packed bf16
         max_rows = min(w[1] for lw in ws for w in lw)  # type: ignore[index]
         try:
             natives.append((max_rows, _native(model, ws, max_rows)))  # type: ignore[arg-type]

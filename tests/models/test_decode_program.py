@@ -1,5 +1,5 @@
-"""The CPU decode program (small steps of a plain Llama decoder with int8/int4 weights as one native
-call) computes exactly the layer-by-layer path's numbers on decode steps, gives each token of a
+"""The CPU decode program (small steps of a plain Llama decoder with int8/int4 or packed bf16 weights as one
+native call) computes exactly the layer-by-layer path's numbers on decode steps, gives each token of a
 multi-token step what it would get decoded alone, takes only the steps it describes, and refuses
 other models with a reason."""
 
@@ -17,6 +17,8 @@ from rivulet.worker.batch import SeqChunk
 
 pytestmark = pytest.mark.skipif(not hasattr(load_cpu_ext(), "DecodeProgram"),
                                 reason="the decode program is built for AVX512-VNNI CPUs only")
+# bf16 linears packed in a layout the program reads: AMX tiles, or panels (AVX512-BF16 CPUs without AMX)
+_BF16_PACKED = cpu_ops.AMX_BF16 or (cpu_ops.PANEL_BF16 and getattr(load_cpu_ext(), "DECODE_PROGRAM_PANELS", False))
 
 
 def _counting(runner) -> list[int]:
@@ -74,9 +76,9 @@ def test_batched_decode_steps_match_and_other_steps_run_layer_by_layer(dtype, ti
 
     r = make_runner(path, dtype=dtype, num_blocks=10 * len(prompts), quantization="int4")
     calls = _counting(r)
-    # bf16 original weights in panels (AVX512-BF16 without AMX): a second program takes what the compact
-    # copies do not, up to 64 rows; float32 originals: those steps run layer by layer
-    panels = dtype == "bfloat16" and cpu_ops.PANEL_BF16 and getattr(load_cpu_ext(), "DECODE_PROGRAM_PANELS", False)
+    # bf16 original weights packed (panels on AVX512-BF16 CPUs without AMX, AMX tiles): a second program takes
+    # what the compact copies do not, up to 64 rows; float32 originals: those steps run layer by layer
+    panels = dtype == "bfloat16" and _BF16_PACKED
     assert [n for n, _ in r.decode_program.natives] == ([rows, 64] if panels else [rows])
     got = run(r, 3) + run(r, 9) + run(r, rows + 1)
     # (steps of 9 fit the compact copies where they serve 9 rows or more: 32 rows here, 8 on AMX CPUs)
@@ -97,34 +99,32 @@ def test_models_it_does_not_describe_run_layer_by_layer(kind, why, tiny_model_di
     assert r.decode_program is None and why in r.decode_program_skipped
 
 
-@pytest.mark.skipif(not getattr(load_cpu_ext(), "DECODE_PROGRAM_PANELS", False) or not cpu_ops.PANEL_BF16,
-                    reason="bf16 panel weights: AVX512-BF16 CPUs without AMX")
+@pytest.mark.skipif(not _BF16_PACKED, reason="packed bf16 linears: AMX or AVX512-BF16 CPUs")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_bf16_panel_weights_decode_bitwise_and_batch_up_to_64(kind, tiny_model_dir):
-    """Without quantization, bf16 weights packed in panels: decode steps of 1 and of 9 sequences (more than
-    the int4 program's 8) are taken and equal the layer-by-layer path; a step with a 12-token sequence is not."""
+def test_packed_bf16_weights_decode_bitwise_and_batch_up_to_64(kind, tiny_model_dir):
+    """Without quantization, bf16 weights packed (AMX tiles or panels): decode steps of 1, of 9 sequences (more
+    than the int4 program's 8) and of 20 (more than one AMX tile of rows) are taken and equal the layer-by-layer
+    path; a step with a 12-token sequence is not."""
     path, _ = tiny_model_dir(kind)
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 5, 17, 30, 3, 9, 11, 2, 21)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in torch.randint(2, 31, (20,), generator=g)]
     tables = [list(range(i * 10, i * 10 + 10)) for i in range(len(prompts))]
 
     def run(r) -> list[torch.Tensor]:
-        out = [r.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], all_logits=True)]
-        toks, lens = [int(x) for x in out[0][[sum(map(len, prompts[:i + 1])) - 1 for i in range(9)]].argmax(-1)], \
-            [len(p) for p in prompts]
-        for _ in range(3):
-            logits = r.forward([SeqChunk([tok], n, t) for tok, n, t in zip(toks, lens, tables)])
+        out = [r.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])]
+        toks, lens = [int(x) for x in out[0].argmax(-1)], [len(p) for p in prompts]
+        for n in (20, 20, 9, 9, 1):  # 20 sequences: 2 x 2 tile blocks on AMX; 9 and 1: 16-row tiles
+            logits = r.forward([SeqChunk([tok], k, t) for tok, k, t in zip(toks[:n], lens[:n], tables)])
             out.append(logits)
-            toks, lens = [int(x) for x in logits.argmax(-1)], [n + 1 for n in lens]
-        out.append(r.forward([SeqChunk([toks[0]], lens[0], tables[0])]))
-        out.append(r.forward([SeqChunk(list(range(12)), 0, list(range(90, 96)))], all_logits=True))  # 12 > MAX_QUERY
+            toks[:n], lens[:n] = [int(x) for x in logits.argmax(-1)], [k + 1 for k in lens[:n]]
+        out.append(r.forward([SeqChunk(list(range(12)), 0, list(range(200, 206)))], all_logits=True))  # 12 > MAX_QUERY
         return out
 
-    r = make_runner(path, dtype="bfloat16", num_blocks=96)
+    r = make_runner(path, dtype="bfloat16", num_blocks=206)
     assert r.decode_program is not None and r.decode_program.max_rows == 64
     calls = _counting(r)
     got = run(r)
-    assert calls == [9, 9, 9, 1]  # not the 110-token prefill, nor one sequence's 12-token chunk
+    assert calls == [20, 20, 9, 9, 1]  # not the prefill, nor one sequence's 12-token chunk
     r.decode_program = None
     for a, b in zip(got, run(r)):
         assert torch.equal(a, b)

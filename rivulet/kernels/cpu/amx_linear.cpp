@@ -12,147 +12,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cstring>
 
-#include "simd.h"
+#include "amx_tiles.h"
 
-namespace {
+using amx::kTileElems;
+using amx::kTileK;
+using amx::kTileN;
 
-constexpr int kTileK = 32;  // bf16 along K per tile row (64 bytes)
-constexpr int kTileN = 16;  // fp32 columns per C tile
-constexpr int kTileElems = kTileK * kTileN;  // one packed B tile: 512 bf16
-
-bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  return tile && bf16;
-}
-
-// Linux hands a process the AMX register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
-bool amx_usable() {
-  static const bool ok = [] {
-    if (!cpu_has_amx_bf16()) return false;
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// tmm0-3: C (rows x 16 fp32), tmm4: A (rows x 32 bf16), tmm5: B (16 k-pairs x 16 columns x 2)
-__attribute__((target("amx-tile"))) void configure_tiles(int rows) {
-  TileConfig cfg;
-  for (int t = 0; t < 4; ++t) cfg.rows[t] = rows, cfg.colsb[t] = 64;
-  cfg.rows[4] = rows, cfg.colsb[4] = 64;
-  cfg.rows[5] = 16, cfg.colsb[5] = 64;
-  _tile_loadconfig(&cfg);
-}
-
-// C tile t (rows x 16 fp32, row stride 64 floats) -> bf16 out rows, + bias
-__attribute__((target("avx512f,avx512bf16"))) void store_rows(const float* c, int rows, int ncols, const at::BFloat16* bias,
-                                                              at::BFloat16* out, int64_t ldo) {
-  for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < ncols; j += kTileN) {
-      __m512 v = _mm512_loadu_ps(c + r * 64 + j);
-      if (bias) {
-        __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + j));
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-      }
-      __m256bh h = _mm512_cvtneps_pbh(v);
-      std::memcpy(out + r * ldo + j, &h, 32);
-    }
-  }
-}
-
-using BlockFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int, const at::BFloat16*,
-                         at::BFloat16*, int64_t);
-
-// G column blocks of 16 (G <= 4) for `rows` rows starting at x
-template <int G>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block(
-    const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kb_count, int rows, const at::BFloat16* bias,
-    at::BFloat16* out, int64_t ldo) {
-  _tile_zero(0);
-  if constexpr (G > 1) _tile_zero(1);
-  if constexpr (G > 2) _tile_zero(2);
-  if constexpr (G > 3) _tile_zero(3);
-  const int64_t block_stride = kb_count * kTileElems;  // elements between consecutive column blocks
-  for (int64_t kb = 0; kb < kb_count; ++kb) {
-    _tile_loadd(4, x + kb * kTileK, ldx * 2);
-    const at::BFloat16* b = w + kb * kTileElems;
-    _tile_loadd(5, b, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (G > 1) { _tile_loadd(5, b + block_stride, 64); _tile_dpbf16ps(1, 4, 5); }
-    if constexpr (G > 2) { _tile_loadd(5, b + 2 * block_stride, 64); _tile_dpbf16ps(2, 4, 5); }
-    if constexpr (G > 3) { _tile_loadd(5, b + 3 * block_stride, 64); _tile_dpbf16ps(3, 4, 5); }
-  }
-  alignas(64) float c[16 * 64];
-  _tile_stored(0, c, 256);
-  if constexpr (G > 1) _tile_stored(1, c + 16, 256);
-  if constexpr (G > 2) _tile_stored(2, c + 32, 256);
-  if constexpr (G > 3) _tile_stored(3, c + 48, 256);
-  store_rows(c, rows, G * kTileN, bias, out, ldo);
-}
-
-// Steps of more than 16 rows: blocks of up to 32 rows x 32 columns, C tiles 0-3 (A tile r x B tile c in 2r + c),
-// A tiles 4-5 (rows 0-15 and 16-31 of the block), B tiles 6-7 (two column blocks). Each tile load serves two
-// products (one per tile in the 1 x G blocks above); rows1 = 0: one A tile.
-__attribute__((target("amx-tile"))) void configure_tiles_2x2(int rows0, int rows1) {
-  TileConfig cfg;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
-  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
-  cfg.rows[6] = cfg.rows[7] = 16;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
-  _tile_loadconfig(&cfg);
-}
-
-template <int R, int C>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block_2x2(
-    const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kb_count, int rows, const at::BFloat16* bias,
-    at::BFloat16* out, int64_t ldo) {
-  _tile_zero(0);
-  if constexpr (C > 1) _tile_zero(1);
-  if constexpr (R > 1) _tile_zero(2);
-  if constexpr (R > 1 && C > 1) _tile_zero(3);
-  const at::BFloat16* w1 = w + kb_count * kTileElems;  // the second column block
-  const at::BFloat16* x1 = x + 16 * ldx;
-  for (int64_t kb = 0; kb < kb_count; ++kb) {
-    // A0's products first, so that the next A0 and B0 loads overlap this iteration's last products
-    _tile_loadd(4, x + kb * kTileK, ldx * 2);
-    _tile_loadd(6, w + kb * kTileElems, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (C > 1) { _tile_loadd(7, w1 + kb * kTileElems, 64); _tile_dpbf16ps(1, 4, 7); }
-    if constexpr (R > 1) {
-      _tile_loadd(5, x1 + kb * kTileK, ldx * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  alignas(64) float c[32 * 64];
-  _tile_stored(0, c, 256);
-  if constexpr (C > 1) _tile_stored(1, c + 16, 256);
-  if constexpr (R > 1) _tile_stored(2, c + 16 * 64, 256);
-  if constexpr (R > 1 && C > 1) _tile_stored(3, c + 16 * 64 + 16, 256);
-  store_rows(c, rows, C * kTileN, bias, out, ldo);
-}
-
-constexpr BlockFn kBlocks2x2[3][3] = {{nullptr, nullptr, nullptr},
-                                      {nullptr, tile_block_2x2<1, 1>, tile_block_2x2<1, 2>},
-                                      {nullptr, tile_block_2x2<2, 1>, tile_block_2x2<2, 2>}};
-
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
-
-constexpr BlockFn kBlocks[5] = {nullptr, tile_block<1>, tile_block<2>, tile_block<3>, tile_block<4>};
-
-}  // namespace
-
-bool amx_linear_available() { return amx_usable(); }
+bool amx_linear_available() { return amx::usable(); }
 
 // weight [N, K] bf16 -> [N/16, K/32, 16, 32]: tile (nb, kb) holds element (n, k-pair p, j) at [p][n][j]
 torch::Tensor amx_pack_weight(torch::Tensor weight) {
@@ -165,7 +33,7 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
 }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(amx_usable(), "amx_linear: no usable AMX-BF16 on this machine");
+  TORCH_CHECK(amx::usable(), "amx_linear: no usable AMX-BF16 on this machine");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4,
               "amx_linear: bf16 input and a weight from amx_pack_weight");
   const int64_t nb_count = packed.size(0), kb_count = packed.size(1);
@@ -194,21 +62,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
     const int64_t pairs = (nb_count + 1) / 2;
     const int64_t ms_rows = std::max<int64_t>(32, (int64_t(512) * 1024 / (2 * k)) / 32 * 32);
     at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t p0, int64_t p1) {
-      int configured = -1;
-      for (int64_t ms = 0; ms < m; ms += ms_rows) {
-        const int64_t ms_end = std::min(m, ms + ms_rows);
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t nb = 2 * p;
-          const int cols = static_cast<int>(std::min<int64_t>(2, nb_count - nb));
-          for (int64_t m0 = ms; m0 < ms_end; m0 += 32) {
-            const int rows = static_cast<int>(std::min<int64_t>(32, ms_end - m0));
-            if (rows != configured) configure_tiles_2x2(std::min(rows, 16), std::max(rows - 16, 0)), configured = rows;
-            kBlocks2x2[rows > 16 ? 2 : 1][cols](xp + m0 * ldx, ldx, wp + nb * kb_count * kTileElems, kb_count, rows,
-                                                  bp ? bp + nb * kTileN : nullptr, op + m0 * n + nb * kTileN, n);
-          }
-        }
-      }
-      if (configured >= 0) release_tiles();
+      amx::TileState tiles;
+      for (int64_t ms = 0; ms < m; ms += ms_rows)
+        amx::span(xp, ldx, ms, std::min(m, ms + ms_rows), true, wp, kb_count, 2 * p0, std::min(nb_count, 2 * p1), 2,
+                  bp, op, n, tiles);
+      tiles.done();
     });
     return out.view(sizes);
   }
@@ -217,18 +75,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   while (g > 1 && (nb_count + g - 1) / g < 4 * threads) g /= 2;
   const int64_t tasks = (nb_count + g - 1) / g;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    int configured = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb = t * g;
-      const int cols = static_cast<int>(std::min<int64_t>(g, nb_count - nb));
-      for (int64_t m0 = 0; m0 < m; m0 += 16) {
-        const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
-        if (rows != configured) configure_tiles(rows), configured = rows;
-        kBlocks[cols](xp + m0 * ldx, ldx, wp + nb * kb_count * kTileElems, kb_count, rows,
-                      bp ? bp + nb * kTileN : nullptr, op + m0 * n + nb * kTileN, n);
-      }
-    }
-    if (configured) release_tiles();
+    amx::TileState tiles;
+    amx::span(xp, ldx, 0, m, false, wp, kb_count, t0 * g, std::min(nb_count, t1 * g), g, bp, op, n, tiles);
+    tiles.done();
   });
   return out.view(sizes);
 }

@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bf16_panels.h"
 #include "quant_gemv.h"
 #include "rowwise.h"
@@ -47,9 +48,10 @@ namespace {
 constexpr int64_t kRedundantRows = 4;  // up to this many rows every thread does the row work itself
 
 // One linear of N outputs: weight-only int8 or int4 (panels of 16 rows, quant_linear.cpp's layouts), or
-// bf16 weights packed in panels ([N/16, K/2, 32], bf16_linear.cpp's layout; bf16 activations only).
+// bf16 weights packed in panels ([N/16, K/2, 32], bf16_linear.cpp's layout) or in AMX tiles ([N/16, K/32, 16,
+// 32], amx_linear.cpp's); the bf16 layouts take bf16 activations only and read them as they are.
 struct QLinear {
-  enum Kind { kInt8, kInt4, kPanels };
+  enum Kind { kInt8, kInt4, kPanels, kAmx };
   torch::Tensor keep;
   Kind kind = kInt8;
   int64_t N = 0, Kp = 0;
@@ -58,7 +60,15 @@ struct QLinear {
 
   QLinear() = default;
   QLinear(const torch::Tensor& w, int64_t n) : keep(w), N(n) {
-    TORCH_CHECK(w.is_contiguous() && w.dim() == 3, "decode program: a linear's weight is 3-d panels");
+    if (w.dim() == 4) {
+      TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(0) * 16 == N &&
+                  w.size(2) == 16 && w.size(3) == 32 && amx::usable(),
+                  "decode program: bf16 AMX tiles [N/16, K/32, 16, 32] on an AMX CPU");
+      kind = kAmx;
+      Kp = w.size(1) * 32;
+      return;
+    }
+    TORCH_CHECK(w.is_contiguous() && w.dim() == 3, "decode program: a linear's weight is 3-d panels or 4-d tiles");
     if (w.scalar_type() == torch::kUInt8) {
       TORCH_CHECK(w.size(0) == (N + kQuantPanel - 1) / kQuantPanel &&
                   (w.size(2) == Int8Format::kBlockBytes || w.size(2) == Int4Format::kBlockBytes),
@@ -79,23 +89,33 @@ struct QLinear {
 #endif
   }
 
-  bool quantized() const { return kind != kPanels; }
+  bool quantized() const { return kind == kInt8 || kind == kInt4; }
   // whether it takes inputs of width K (the quantized kinds pad K to a multiple of 64)
-  bool takes(int64_t K) const { return kind == kPanels ? Kp == K : Kp >= K && Kp < K + 64; }
+  bool takes(int64_t K) const { return quantized() ? Kp >= K && Kp < K + 64 : Kp == K; }
 
   // x's rows first, first + stride, ... quantized into xq (the panels read x as it is)
   template <typename T>
   void quantize(const T* x, int64_t K, int64_t M, int64_t first, int64_t stride, QuantRow* xq) const {
-    if (kind == kPanels) return;
+    if (!quantized()) return;
     const int64_t block = kind == kInt4 ? Int4Format::kBlock : Int8Format::kBlock;
     for (int64_t m = first; m < M; m += stride) quantize_row(x + m * K, K, Kp, block, xq[m]);
   }
 
-  // this thread's share of the columns of y [M, N] = x [M, K] W^T (+ bias: T for the quantized kinds, float
-  // for panels), from x's quantized rows xq or, for panels, x itself
+  // this thread's share of the columns of y [M, N] = x [M, K] W^T (+ bias: T for the quantized kinds and AMX
+  // tiles, float for panels), from x's quantized rows xq or, for bf16 weights, x itself
   template <typename T>
   void gemv(const T* x, int64_t K, int64_t M, const QuantRow* xq, const T* bias, const float* bias_f, T* y, int tid,
-            int nthr) const {
+            int nthr, amx::TileState& tiles) const {
+    if (kind == kAmx) {
+      if constexpr (std::is_same_v<T, at::BFloat16>) {  // amx_linear's split: column pairs above 16 rows
+        const bool wide = M > 16;
+        const int64_t P = N / 16, unit = wide ? 2 : 1, units = (P + unit - 1) / unit;
+        const int64_t chunk = (units + nthr - 1) / nthr;
+        const int64_t nb0 = std::min(P, tid * chunk * unit), nb1 = std::min(P, (tid + 1) * chunk * unit);
+        amx::span(x, K, 0, M, wide, keep.data_ptr<at::BFloat16>(), K / 32, nb0, nb1, 4, bias, y, N, tiles);
+      }
+      return;
+    }
     if (kind == kPanels) {
 #ifdef RIVULET_BF16_PANELS
       if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -162,7 +182,7 @@ class DecodeProgram {
     l.qkv = QLinear(qkv, (Hq_ + 2 * Hk_) * D_); l.o = QLinear(o, H_);
     l.gate_up = QLinear(gate_up, 2 * I_); l.down = QLinear(down, H_);
     for (const QLinear* q : {&l.qkv, &l.o, &l.gate_up, &l.down})
-      TORCH_CHECK(q->kind != QLinear::kPanels || dtype_ == torch::kBFloat16, "decode program: panels need bf16");
+      TORCH_CHECK(q->quantized() || dtype_ == torch::kBFloat16, "decode program: bf16 weights need bf16 activations");
     TORCH_CHECK(l.qkv.takes(H_) && l.o.takes(Hq_ * D_) && l.gate_up.takes(H_) && l.down.takes(I_),
                 "decode program: projection shapes");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_ &&
@@ -250,6 +270,7 @@ class DecodeProgram {
       QuantRow* xq = split ? xq_.data() : S.xq.data();
       float* buf = S.buf.data();
       const int64_t r0 = split ? tid : 0, rs = split ? nthr : 1;  // this thread's rows: r0, r0 + rs, ...
+      amx::TileState tiles;  // AMX tiles, configured by the first linear on them, released after the last layer
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& L = layers_[li];
         // 1. (residual +) RMSNorm, QKV
@@ -267,7 +288,7 @@ class DecodeProgram {
 #pragma omp barrier
         }
         L.qkv.gemv<T>(act, H, M, xq, L.qkv_bias.defined() ? L.qkv_bias.data_ptr<T>() : nullptr,
-                      L.qkv_bias_f.defined() ? L.qkv_bias_f.data_ptr<float>() : nullptr, qkv, tid, nthr);
+                      L.qkv_bias_f.defined() ? L.qkv_bias_f.data_ptr<float>() : nullptr, qkv, tid, nthr, tiles);
 #pragma omp barrier
         // 2. RoPE of the keys, the KV write (before any attention reads: a sequence's later tokens see them)
         T* cache = L.kv_cache.data_ptr<T>();
@@ -311,7 +332,7 @@ class DecodeProgram {
         if (split && L.o.quantized()) {
 #pragma omp barrier
         }
-        L.o.gemv<T>(attn, Hq * D, M, xq, nullptr, nullptr, hid, tid, nthr);
+        L.o.gemv<T>(attn, Hq * D, M, xq, nullptr, nullptr, hid, tid, nthr, tiles);
 #pragma omp barrier
         // 5. residual + RMSNorm, gate_up
         for (int64_t m = r0; m < M; m += rs) {
@@ -322,7 +343,7 @@ class DecodeProgram {
         if (split) {
 #pragma omp barrier
         }
-        L.gate_up.gemv<T>(act, H, M, xq, nullptr, nullptr, gu, tid, nthr);
+        L.gate_up.gemv<T>(act, H, M, xq, nullptr, nullptr, gu, tid, nthr, tiles);
 #pragma omp barrier
         // 6. SiLU-and-mul, down_proj (hid is free again: every thread has read it in phase 5)
         for (int64_t m = r0; m < M; m += rs) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
@@ -330,9 +351,10 @@ class DecodeProgram {
         if (split) {
 #pragma omp barrier
         }
-        L.down.gemv<T>(act, I, M, xq, nullptr, nullptr, hid, tid, nthr);
+        L.down.gemv<T>(act, I, M, xq, nullptr, nullptr, hid, tid, nthr, tiles);
 #pragma omp barrier
       }
+      tiles.done();
       if (tid == 0) {
         for (int64_t m = 0; m < M; ++m) {
           load_row<T>(hid + m * H, res + m * H, res + m * H, buf, H);
