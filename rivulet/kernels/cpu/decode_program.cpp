@@ -1,6 +1,6 @@
 // A pre-norm decoder's small step as one call: embedding, every layer, the final norm. Small: at
-// most `max_rows` tokens, set by the caller (32 with int8/int4 weights, the steps that read those
-// copies; 64 with bf16 panel weights): decode steps, k-token verify steps, short prefill chunks. The
+// most `max_rows` tokens, set by the caller (32 with int8/int4 weights, 8 on AMX CPUs: the steps that read
+// those copies; 64 with bf16 weights in panels or AMX tiles): decode steps, k-token verify steps, short prefill chunks. The
 // layer-by-layer forward of the same step makes ~11 dispatcher calls a layer, each a fork/join of
 // the OpenMP team plus the interpreter between them; for a small model that host work is most of
 // the step (SmolLM2-135M in int4: ~3 of 5 ms). Here one OpenMP region runs the whole step, the
@@ -21,7 +21,7 @@
 // threads, with one more barrier before the linear that reads them.
 //
 // Every number of a decode step is the layer-by-layer path's: the same row functions (rowwise.h),
-// the same quantized dot products (quant_gemv.h) and bf16 panel kernel (bf16_panels.h), the same
+// the same quantized dot products (quant_gemv.h) and bf16 kernels (bf16_panels.h, amx_tiles.h), the same
 // attention kernel (decode_attention.h), rounded to the activation dtype where those ops round. A
 // token of a multi-token step gets exactly what it would get decoded alone (the layer-by-layer path
 // takes multi-token sequences through the prefill kernel, whose sums run in another order). What a
