@@ -107,7 +107,13 @@ __attribute__((target("amx-tile"))) inline void configure_2x2(int rows0, int row
   _tile_loadconfig(&cfg);
 }
 
-template <int R, int C>
+// kStream: the first block of rows over these columns, whose B tiles come from memory (the later blocks find
+// them in cache): each K step prefetches the tiles kPrefetchTiles steps ahead into L2, past the column block's
+// end into the next one's (decode steps of 17-64 rows 3-10% shorter; prefetching in every block cost a 2048-row
+// prefill step 9%).
+constexpr int kPrefetchTiles = 4;
+
+template <int R, int C, bool kStream>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block_2x2(
     const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kb_count, int rows, const at::BFloat16* bias,
     at::BFloat16* out, int64_t ldo) {
@@ -118,6 +124,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_block_
   const at::BFloat16* w1 = w + kb_count * kTileElems;  // the second column block
   const at::BFloat16* x1 = x + 16 * ldx;
   for (int64_t kb = 0; kb < kb_count; ++kb) {
+    if constexpr (kStream) {
+      const char* b0 = reinterpret_cast<const char*>(w + (kb + kPrefetchTiles) * kTileElems);
+      const char* b1 = reinterpret_cast<const char*>(w1 + (kb + kPrefetchTiles) * kTileElems);
+      for (int l = 0; l < kTileElems * 2; l += 64) {
+        _mm_prefetch(b0 + l, _MM_HINT_T1);
+        if constexpr (C > 1) _mm_prefetch(b1 + l, _MM_HINT_T1);
+      }
+    }
     // A0's products first, so that the next A0 and B0 loads overlap this iteration's last products
     _tile_loadd(4, x + kb * kTileK, ldx * 2);
     _tile_loadd(6, w + kb * kTileElems, 64);
@@ -154,9 +168,11 @@ inline void span(const at::BFloat16* x, int64_t ldx, int64_t m0, int64_t m1, boo
                  int64_t kb_count, int64_t nb0, int64_t nb1, int g, const at::BFloat16* bias, at::BFloat16* out,
                  int64_t ldo, TileState& tiles) {
   static constexpr BlockFn kBlocks[5] = {nullptr, tile_block<1>, tile_block<2>, tile_block<3>, tile_block<4>};
-  static constexpr BlockFn kBlocks2x2[3][3] = {{nullptr, nullptr, nullptr},
-                                               {nullptr, tile_block_2x2<1, 1>, tile_block_2x2<1, 2>},
-                                               {nullptr, tile_block_2x2<2, 1>, tile_block_2x2<2, 2>}};
+  static constexpr BlockFn kBlocks2x2[2][3][3] = {  // [first block of rows][row tiles][column blocks]
+      {{nullptr, nullptr, nullptr}, {nullptr, tile_block_2x2<1, 1, false>, tile_block_2x2<1, 2, false>},
+       {nullptr, tile_block_2x2<2, 1, false>, tile_block_2x2<2, 2, false>}},
+      {{nullptr, nullptr, nullptr}, {nullptr, tile_block_2x2<1, 1, true>, tile_block_2x2<1, 2, true>},
+       {nullptr, tile_block_2x2<2, 1, true>, tile_block_2x2<2, 2, true>}}};
   const int step = wide ? 2 : g;
   for (int64_t nb = nb0; nb < nb1; nb += step) {
     const int cols = static_cast<int>(std::min<int64_t>(step, nb1 - nb));
@@ -170,7 +186,7 @@ inline void span(const at::BFloat16* x, int64_t ldx, int64_t m0, int64_t m1, boo
         else configure_1xg(rows);
         tiles.shape = shape;
       }
-      const BlockFn fn = wide ? kBlocks2x2[rows > 16 ? 2 : 1][cols] : kBlocks[cols];
+      const BlockFn fn = wide ? kBlocks2x2[m == m0][rows > 16 ? 2 : 1][cols] : kBlocks[cols];
       fn(x + m * ldx, ldx, wb, kb_count, rows, bb, out + m * ldo + nb * kTileN, ldo);
     }
   }
