@@ -40,6 +40,11 @@ def pack_linear_weight_ref(weight: torch.Tensor) -> None:
     """The reference backend has no packed layout: linears read the plain weight."""
     return None
 
+def packed_linear_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up projection: silu(x W_gate^T) * (x W_up^T), W = [W_gate; W_up]."""
+    return silu_and_mul_ref(F.linear(x, weight))
+
+
 _TRITON = "rivulet.kernels.triton"
 _CPU = "rivulet.kernels.cpu.ops"
 
@@ -70,6 +75,9 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     # a backend's own weight layout for dense linears (None: keep the plain [N, K] weight)
     "pack_linear_weight": {"torch": pack_linear_weight_ref, "cpu": f"{_CPU}:pack_linear_weight"},
     "packed_linear": {"torch": F.linear, "cpu": f"{_CPU}:packed_linear"},
+    # silu_and_mul(packed_linear(x, w)) of a fused gate/up weight, one kernel where the layout has one
+    "packed_linear_silu_mul": {"torch": packed_linear_silu_mul_ref,
+                               "cpu": f"{_CPU}:packed_linear_silu_mul"},
     "add_lora": {"torch": add_lora_ref, "cpu": f"{_CPU}:add_lora",
                  "triton": f"{_TRITON}.lora:add_lora"},
     "copy_blocks": {"torch": copy_blocks_ref, "cpu": f"{_CPU}:copy_blocks", "triton": f"{_TRITON}.kv_copy:copy_blocks"},

@@ -16,6 +16,7 @@ class ActAndMul(nn.Module):
         super().__init__()
         if act not in _GATED_OPS:
             raise ValueError(f"unsupported gated activation {act!r}; supported: {sorted(_GATED_OPS)}")
+        self.name = act
         self._op = get_op(_GATED_OPS[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

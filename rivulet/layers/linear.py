@@ -101,6 +101,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of a [gate; up] projection as the matmul's epilogue, where its weight is packed for a
+        kernel that has one and nothing comes between (no bias, LoRA delta or gather); None otherwise."""
+        fused = getattr(self.quant, "silu_mul", None)
+        if fused is None or len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1] or \
+                self.bias is not None or self.lora is not None or self.gather_output:
+            return None
+        return fused(x)
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections. Query heads are split over ranks; key/value heads too, or
     replicated when there are more ranks than key/value heads."""

@@ -67,6 +67,12 @@ class WeightOnly:
             return self._linear(x, self.panels, self.out_features, bias)
         return self.dense(x, weight, bias)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU-and-mul of a gate/up projection in its matmul: big steps on a packed original, else None."""
+        if x.numel() // x.shape[-1] <= self.max_rows or not isinstance(self.dense, Prepacked):
+            return None
+        return self.dense.silu_mul(x)
+
     @property
     def nbytes(self) -> int:
         return self.panels.numel()
@@ -99,10 +105,14 @@ class Prepacked:
 
     def __init__(self, packed: torch.Tensor) -> None:
         self.packed = packed
-        self._linear = get_op("packed_linear")
+        self._linear, self._silu_mul = get_op("packed_linear"), get_op("packed_linear_silu_mul")
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._linear(x, self.packed, bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(self(x)) of a gate/up projection, without bias: one kernel where the layout has one."""
+        return self._silu_mul(x, self.packed)
 
 
 def prepack_model(model: nn.Module, opaque: bool = True) -> int:

@@ -52,7 +52,7 @@ def test_every_op_has_a_triton_version():
     # dequantization (the loader's, on the host, before the weights reach a device), and greedy sampling's
     # argmax (torch's CUDA kernel is the GPU's; on CPU torch's took 3 ms of a 64-row step)
     cpu_only = {"int8_linear", "int4_linear", "quantize_int8_weight", "quantize_int4_weight", "pack_linear_weight",
-                "packed_linear", "packed_fused_moe", "dequantize_gguf_blocks", "argmax_rows"}
+                "packed_linear", "packed_linear_silu_mul", "packed_fused_moe", "dequantize_gguf_blocks", "argmax_rows"}
     for name in op_names():
         if name.startswith("test_only") or name in cpu_only:
             continue

@@ -97,6 +97,38 @@ def test_our_linear_takes_strided_rows_and_keeps_leading_dims() -> None:
         cpu_ops.packed_linear(randn(2, 32, dtype=torch.bfloat16), packed)
 
 
+amx = pytest.mark.skipif(not cpu_ops.AMX_BF16, reason="the gate/up kernel with SiLU-and-mul is the AMX linear's")
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300])
+@pytest.mark.parametrize("shape", [(3072, 576), (192, 64), (96, 96)])
+def test_gate_up_with_silu_mul_in_the_kernel_equals_the_two_ops(rows: int, shape: tuple[int, int]) -> None:
+    """`packed_linear_silu_mul` on AMX tiles (each block pairs gate block j with up block j and ends in SiLU *
+    up): bit for bit `silu_and_mul(packed_linear(...))`, a row's numbers whatever the batch, near float32.
+    Rows: 1 x 2 blocks up to 16, 2 x 2 blocks with partial row tiles and super blocks above."""
+    n, k = shape
+    w = randn(n, k, dtype=torch.bfloat16) * 0.2
+    packed = cpu_ops.pack_linear_weight(w)
+    x = randn(rows, k, dtype=torch.bfloat16, seed=1)
+    got = cpu_ops.packed_linear_silu_mul(x, packed)
+    assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got, cpu_ops.silu_and_mul(cpu_ops.packed_linear(x, packed)))
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(cpu_ops.packed_linear_silu_mul(x[i:i + 1], packed)[0], got[i])
+    gu = x.float() @ w.float().t()
+    ref = F.silu(gu[:, :n // 2]) * gu[:, n // 2:]
+    assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max().item()
+    assert cpu_ops.packed_linear_silu_mul(x.view(1, rows, k), packed).shape == (1, rows, n // 2)
+
+
+@amx
+def test_gate_up_with_silu_mul_needs_two_equal_halves_of_whole_blocks() -> None:
+    packed = cpu_ops.pack_linear_weight(randn(48, 64, dtype=torch.bfloat16))  # 3 column blocks of 16
+    with pytest.raises(RuntimeError, match="gate/up weight of 2 x"):
+        cpu_ops.packed_linear_silu_mul(randn(2, 64, dtype=torch.bfloat16), packed)
+
+
 def test_shapes_off_the_grids_use_onednn_or_stay_plain() -> None:
     w = randn(24, 40, dtype=torch.bfloat16)  # N % 16 != 0: neither our tiles nor our panels
     packed = cpu_ops.pack_linear_weight(w)

@@ -98,6 +98,36 @@ def test_bf16_linears_are_prepacked_once(tiny_model_dir):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+def test_gate_up_runs_silu_and_mul_in_its_matmul(tiny_model_dir, monkeypatch):
+    """A packed gate/up projection hands the MLP SiLU(gate) * up from one kernel (on AMX CPUs; the two ops
+    elsewhere): the logits are the unfused path's bit for bit; a LoRA delta, a bias or small int4 steps (on the
+    compact copy) keep the two ops."""
+    from rivulet.kernels.cpu import ops as cpu_ops
+    from rivulet.layers.linear import MergedColumnParallelLinear
+
+    if not (cpu_ops.PACKED_BF16 or cpu_ops.PANEL_BF16):
+        pytest.skip("no packed bf16 linear on this CPU")
+    path, _ = tiny_model_dir("llama")
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    r = make_runner(path, dtype="bfloat16")
+    gate_up = r.model.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(20, gate_up.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    fused = gate_up.forward_silu_mul(x)
+    assert fused is not None and fused.shape == (20, gate_up.out_features // 2)
+    assert torch.equal(fused, r.model.model.layers[0].mlp.act(gate_up(x)))
+    got = teacher_forced_logits(r, ids, chunks=[24], blocks=list(range(10)))
+    monkeypatch.setattr(MergedColumnParallelLinear, "forward_silu_mul", lambda self, x: None)
+    assert torch.equal(got, teacher_forced_logits(r, ids, chunks=[24], blocks=list(range(10))))
+    monkeypatch.undo()
+    gate_up.lora = object()  # (any adapter slots: the fused kernel has no place for the delta)
+    assert gate_up.forward_silu_mul(x) is None
+    gate_up.lora = None
+    q = make_runner(path, dtype="bfloat16", quantization="int4").model.model.layers[0].mlp.gate_up_proj
+    assert q.forward_silu_mul(x[:small_step_rows()]) is None
+    big = torch.cat([x, x])[:small_step_rows() + 1]
+    assert torch.equal(q.forward_silu_mul(big), cpu_ops.silu_and_mul(q.quant.dense(big, q.weight, None)))
+
+
 def test_quantized_big_steps_use_the_packed_weight(tiny_model_dir):
     from rivulet.kernels.cpu import ops as cpu_ops
 

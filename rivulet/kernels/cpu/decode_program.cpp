@@ -129,6 +129,19 @@ struct QLinear {
     if (kind == kInt4) gemv_panels<T>(f4, xq, M, p0, std::min(P, p0 + chunk), bias, y, N);
     else gemv_panels<T>(f8, xq, M, p0, std::min(P, p0 + chunk), bias, y, N);
   }
+
+  // a gate/up projection on AMX tiles runs SiLU-and-mul in its blocks' ends (amx::span's `up`)
+  bool fuses_silu_mul() const { return kind == kAmx && N % 32 == 0; }
+
+  // this thread's share of the columns of y [M, N/2] = SiLU(x W_gate^T) * (x W_up^T), W = [W_gate; W_up]
+  template <typename T>
+  void gemv_silu_mul(const T* x, int64_t K, int64_t M, T* y, int tid, int nthr, amx::TileState& tiles) const {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const int64_t P = N / 32, chunk = (P + nthr - 1) / nthr;  // gate blocks, each with its up block
+      const int64_t nb0 = std::min(P, tid * chunk), nb1 = std::min(P, (tid + 1) * chunk);
+      amx::span(x, K, 0, M, M > 16, keep.data_ptr<at::BFloat16>(), K / 32, nb0, nb1, 1, nullptr, y, N / 2, tiles, P);
+    }
+  }
 };
 
 struct Layer {
@@ -343,15 +356,20 @@ class DecodeProgram {
         if (split) {
 #pragma omp barrier
         }
-        L.gate_up.gemv<T>(act, H, M, xq, nullptr, nullptr, gu, tid, nthr, tiles);
+        // (on AMX tiles with SiLU-and-mul in its blocks' ends: gu gets the [M, I] activation)
+        const bool fused = L.gate_up.fuses_silu_mul();
+        if (fused) L.gate_up.gemv_silu_mul<T>(act, H, M, gu, tid, nthr, tiles);
+        else L.gate_up.gemv<T>(act, H, M, xq, nullptr, nullptr, gu, tid, nthr, tiles);
 #pragma omp barrier
         // 6. SiLU-and-mul, down_proj (hid is free again: every thread has read it in phase 5)
-        for (int64_t m = r0; m < M; m += rs) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
-        L.down.quantize<T>(act, I, M, r0, rs, xq);
+        if (!fused)
+          for (int64_t m = r0; m < M; m += rs) silu_mul_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+        const T* mid = fused ? gu : act;
+        L.down.quantize<T>(mid, I, M, r0, rs, xq);
         if (split) {
 #pragma omp barrier
         }
-        L.down.gemv<T>(act, I, M, xq, nullptr, nullptr, hid, tid, nthr, tiles);
+        L.down.gemv<T>(mid, I, M, xq, nullptr, nullptr, hid, tid, nthr, tiles);
 #pragma omp barrier
       }
       tiles.done();

@@ -94,6 +94,10 @@ if AVAILABLE:
         def _(x, packed, bias=None):
             return _linear_fake(x, packed.shape[0] * 16)
 
+        @torch.library.register_fake("rivulet::amx_linear_silu_mul")
+        def _(x, packed):
+            return _linear_fake(x, packed.shape[0] * 8)
+
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[-1]
@@ -161,6 +165,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if not packed.is_mkldnn:
         return F.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(packed_linear(x, packed)) for a fused gate/up weight: on AMX tiles one kernel, whose blocks
+    pair gate block j with up block j and write SiLU(gate) * up (bit for bit the two ops), so the [M, 2I]
+    projection is never written and read back (~8% of a prefill step of the default model)."""
+    if packed.dim() == 4:
+        return torch.ops.rivulet.amx_linear_silu_mul.default(x, packed)
+    return silu_and_mul(packed_linear(x, packed))
 
 
 @graph_op("rivulet_cpu", "packed_fused_moe", lambda x, w13, w2, topk_weights, topk_ids: x.new_empty(x.shape))
