@@ -7,11 +7,11 @@
 //                                 B: the head's Q^T in dim pairs, packed once per tile (16 x 16 dword
 //                                 transposes); fp32 C tiles
 //   online softmax with the tokens in the vector lanes (vertical, as in the AVX-512 kernel), in base 2
-//   O [tokens x D] += P V         A: P in bf16 (the lanes' P^T packed in key pairs, then a 16 x 16
-//                                 dword transpose), B: value rows interleaved in key pairs, packed once
-//                                 per call for every (sequence, kv head) and shared by all its tiles
-// P V of a block's eight sub-blocks sums in the C tiles; O stays in fp32 outside them (scaled by the
-// softmax's correction per token once a block) and is normalized at the end. The scores of the next
+//   O^T [D x tokens] += V^T P^T   A: the values transposed, in key pairs (16 dims x 16 key pairs), packed
+//                                 once per call for every (sequence, kv head) and shared by all its tiles,
+//                                 B: P^T in bf16 key pairs as the softmax leaves it in the lanes (no transpose)
+// V^T P^T of a block's eight sub-blocks sums in the C tiles; O^T stays in fp32 outside them (scaled by the
+// softmax's correction, one vector over the tokens, once a block), and is normalized and transposed at the end. The scores of the next
 // (head, block) are issued to the tile unit before this block's softmax, so that they run beside it.
 // bf16 inputs, fp32 scores and sums, P rounded to bf16 for P V: the arithmetic of the AVX-512 kernel and of
 // PyTorch's flash kernel, in another order of the sums. 1.1x the kernel with 32-key blocks, heads side by
@@ -94,10 +94,10 @@ struct VSpan {
 struct Scratch {
   std::vector<uint32_t> qt;  // [G][D/2 dim pairs][16 tokens]: Q^T of each head, B tiles of 16 pairs
   std::vector<float> s;      // [2][KS keys][16 tokens]: S^T of two softmax blocks (the next one in flight)
-  std::vector<uint32_t> pa;  // [NSB][16 tokens][16 key pairs]: P, an A tile per sub-block
-  std::vector<float> pv;     // [16 tokens][32]: two C tiles of P V
-  std::vector<float> o;      // [16 tokens][D]: output accumulators of the head
-  Scratch(int64_t G, int64_t D) : qt(G * D / 2 * M), s(2 * KS * M), pa(NSB * M * M), pv(M * 32), o(M * D) {}
+  std::vector<uint32_t> pb;  // [NSB][16 key pairs][16 tokens]: P^T in key pairs, a B tile per sub-block
+  std::vector<float> pv;     // [32 dims][16 tokens]: two C tiles of (P V)^T
+  std::vector<float> o;      // [D][16 tokens]: output accumulators of the head, transposed
+  Scratch(int64_t G, int64_t D) : qt(G * D / 2 * M), s(2 * KS * M), pb(NSB * M * M), pv(32 * M), o(D * M) {}
 };
 
 // S^T of one 32-key sub-block (its halves at page rows kp0, kp1; kp1 null: 16 keys) into C tiles 0-1, stored.
@@ -203,7 +203,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     const __m512 alpha = exp2_16(_mm512_sub_ps(m, mu));
     __m512 sum = _mm512_setzero_ps(), sum1 = sum;  // two running sums (keys of even and odd index)
     for (int64_t sb = 0; sb < nsb; ++sb) {
-      __m512i pr[M];  // P^T in key pairs: pr[jp] lane r = (P[r][2jp], P[r][2jp + 1])
       for (int64_t jp = 0; jp < M; ++jp) {
         __m512 p[2];
         for (int e = 0; e < 2; ++e) {
@@ -216,59 +215,54 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
           if (!whole) p[e] = _mm512_maskz_mov_ps(valid[j], p[e]);
           if (e) sum1 = _mm512_add_ps(sum1, p[e]); else sum = _mm512_add_ps(sum, p[e]);
         }
-        pr[jp] = interleave_bf16((__m256i)_mm512_cvtneps_pbh(p[0]), (__m256i)_mm512_cvtneps_pbh(p[1]));
+        // row jp of the sub-block's B tile: P^T in key pairs, as it is (the tokens are the lanes)
+        _mm512_storeu_si512(sc.pb.data() + (sb * M + jp) * M,
+                            interleave_bf16((__m256i)_mm512_cvtneps_pbh(p[0]), (__m256i)_mm512_cvtneps_pbh(p[1])));
       }
-      transpose16(pr);  // pr[r] lane jp: P in key pairs, row r
-      for (int64_t r = 0; r < M; ++r) _mm512_storeu_si512(sc.pa.data() + (sb * M + r) * M, pr[r]);
     }
     m = mn;
     l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum, sum1));
-    alignas(64) float al[M];
-    _mm512_store_ps(al, alpha);
-    // O = alpha O + P V, 32 dims (two C tiles) at a time, summed over the sub-blocks in the tiles
+    // O^T = alpha O^T + V^T P^T, 32 dims (two C tiles of 16 dims x 16 tokens) at a time, summed over the
+    // sub-blocks in the tiles: A the values transposed (packed so), B P^T as the softmax left it in its lanes
     const uint32_t* vb = vs.base + (ks / KB - vs.b0) * vblock;
     for (int64_t dn0 = 0; dn0 < DN; dn0 += 2) {
       const bool two = dn0 + 1 < DN;
       _tile_zero(4);
       if (two) _tile_zero(5);
-      // sub-blocks by turns in tiles 6, 7, 3 and 2, 0, 1 (P, V, V): loads never wait for the last products
+      // sub-blocks by turns in tiles 6, 7, 3 and 2, 0, 1 (P^T, V^T, V^T): loads never wait for the last products
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint32_t* v = vb + sb * vblock + dn0 * M * M;
-        const uint32_t* pa = sc.pa.data() + sb * M * M;
+        const uint32_t* pb = sc.pb.data() + sb * M * M;
         if (sb & 1) {
-          _tile_loadd(2, pa, 64);
+          _tile_loadd(2, pb, 64);
           _tile_loadd(0, v, 64);
           if (two) _tile_loadd(1, v + M * M, 64);
-          _tile_dpbf16ps(4, 2, 0);
-          if (two) _tile_dpbf16ps(5, 2, 1);
+          _tile_dpbf16ps(4, 0, 2);
+          if (two) _tile_dpbf16ps(5, 1, 2);
         } else {
-          _tile_loadd(6, pa, 64);
+          _tile_loadd(6, pb, 64);
           _tile_loadd(7, v, 64);
           if (two) _tile_loadd(3, v + M * M, 64);
-          _tile_dpbf16ps(4, 6, 7);
-          if (two) _tile_dpbf16ps(5, 6, 3);
+          _tile_dpbf16ps(4, 7, 6);
+          if (two) _tile_dpbf16ps(5, 3, 6);
         }
       }
-      _tile_stored(4, sc.pv.data(), 128);
-      if (two) _tile_stored(5, sc.pv.data() + 16, 128);
-      for (int64_t r = 0; r < M; ++r) {
-        const __m512 ar = _mm512_set1_ps(al[r]);
-        float* orow = sc.o.data() + r * D + dn0 * 16;
-        for (int64_t i = 0; i < (two ? 2 : 1); ++i)
-          _mm512_storeu_ps(orow + i * 16, _mm512_fmadd_ps(_mm512_loadu_ps(orow + i * 16), ar,
-                                                            _mm512_loadu_ps(sc.pv.data() + r * 32 + i * 16)));
-      }
+      _tile_stored(4, sc.pv.data(), 64);
+      if (two) _tile_stored(5, sc.pv.data() + M * M, 64);
+      float* o = sc.o.data() + dn0 * 16 * M;  // rows of 16 tokens, one per dim: alpha is per lane
+      for (int64_t d = 0; d < (two ? 32 : 16); ++d)
+        _mm512_storeu_ps(o + d * M, _mm512_fmadd_ps(_mm512_loadu_ps(o + d * M), alpha, _mm512_loadu_ps(sc.pv.data() + d * M)));
     }
-    if (job % blocks == blocks - 1) {  // the head's last block: normalize and write out, then the next head
-      alignas(64) float inv[M];
-      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
-      for (int64_t r = 0; r < n; ++r) {
-        const float* orow = sc.o.data() + r * D;
-        T* dst = out + ((t.row0 + t.first + r) * a.Hq + t.h * G + g) * D;
-        const __m512 ir = _mm512_set1_ps(inv[r]);
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(orow + d), ir));
-          std::memcpy(dst + d, &h, 32);
+    if (job % blocks == blocks - 1) {  // the head's last block: normalize, transpose and write out, then the next head
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512i r[M];  // r[d] lane t -> after the transpose r[t] lane d
+        for (int64_t d = 0; d < M; ++d) r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(sc.o.data() + (d0 + d) * M), inv));
+        transpose16(r);
+        for (int64_t t2 = 0; t2 < n; ++t2) {
+          T* dst = out + ((t.row0 + t.first + t2) * a.Hq + t.h * G + g) * D + d0;
+          const __m256bh h = _mm512_cvtneps_pbh(_mm512_castsi512_ps(r[t2]));
+          std::memcpy(dst, &h, 32);
         }
       }
       m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
@@ -277,8 +271,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
   }
 }
 
-// The values of 32 keys from k0 (those from `end` on: the last key again, finite, their P is 0) in key pairs:
-// D/16 B tiles of [16 key pairs][16 dims].
+// The values of 32 keys from k0 (those from `end` on: the last key again, finite, their P is 0), transposed, in
+// key pairs: D/16 A tiles of [16 dims][16 key pairs].
 void pack_values(const Args& a, const int* table, int64_t h, int64_t k0, int64_t end, uint32_t* dst) {
   using T = at::BFloat16;
   const T* values = static_cast<const T*>(a.values);
@@ -286,13 +280,13 @@ void pack_values(const Args& a, const int* table, int64_t h, int64_t k0, int64_t
     k = std::min(k, end - 1);
     return values + (int64_t(table[k / a.bs]) * a.bs + k % a.bs) * a.tok_stride + h * a.D;
   };
-  for (int64_t jp = 0; jp < KB / 2; ++jp) {
-    const T* v0 = row(k0 + 2 * jp);
-    const T* v1 = row(k0 + 2 * jp + 1);
-    for (int64_t dn = 0; dn < a.D / 16; ++dn)
-      _mm512_storeu_si512(dst + (dn * M + jp) * M,
-                          interleave_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dn * 16)),
-                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dn * 16))));
+  for (int64_t dn = 0; dn < a.D / 16; ++dn) {
+    __m512i r[M];  // r[jp] lane d: (V[2jp][d], V[2jp + 1][d]) -> transposed, r[d] lane jp
+    for (int64_t jp = 0; jp < KB / 2; ++jp)
+      r[jp] = interleave_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(k0 + 2 * jp) + dn * 16)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(k0 + 2 * jp + 1) + dn * 16)));
+    transpose16(r);
+    for (int64_t d = 0; d < M; ++d) _mm512_storeu_si512(dst + (dn * M + d) * M, r[d]);
   }
 }
 
