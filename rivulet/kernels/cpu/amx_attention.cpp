@@ -70,19 +70,17 @@ constexpr int64_t NSB = 8;         // 32-key sub-blocks of a softmax block (4: 1
 constexpr int64_t KS = KB * NSB;   // keys of a softmax block
 constexpr float kLog2e = 1.44269504088896341f;
 
-// 2^x for 16 floats, x <= 0 (softmax in base 2, the scale and log2(e) folded into one multiply): x = n + r,
-// |r| <= 1/2, 2^r by a degree-4 polynomial fitted to its relative error (at most 2.7e-6, against bf16's
-// 3.9e-3 for P; degree 6 took 1.02-1.06x the kernel's time), times 2^n by scalef.
+// 2^x for 16 floats, x finite (softmax in base 2, the scale and log2(e) folded into one multiply): 2^r for
+// r = x - floor(x) in [0, 1) (one vreduceps) by a degree-3 polynomial fitted to its relative error (at most
+// 7.5e-5, 1/50 of bf16's rounding of P; degree 4 took 1.02x the kernel's time), times 2^floor(x) by scalef, which
+// floors its exponent itself.
 inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(9.560517966747284e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.591703951358795e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4024981260299683e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931219696998596e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999991655349731e-1f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(7.802452147006989e-2f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.2606715559959412e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.958335638046265e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999251961708069e-1f));
+  return _mm512_scalef_ps(p, x);
 }
 
 // Where each (sequence, kv head)'s packed values start: 32-key blocks from key 32 * b0.
@@ -163,6 +161,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
                  s + (k0 - ks) * M);
   };
   const __m512 c = _mm512_set1_ps(a.scale * kLog2e);
+  // words (p0[0..15], p1[0..15]) -> (p0[0], p1[0], p0[1], p1[1], ...)
+  const __m512i pair_words = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int64_t vblock = D * KB / 2;  // uint32 per packed 32-key block
   T* out = static_cast<T*>(a.out);
   __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();  // running max (base 2, scaled) and sum
@@ -200,7 +201,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     const __m512 mn = _mm512_max_ps(m, _mm512_mul_ps(bmax, c));
     const __m512 mu = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
                                            _mm512_setzero_ps());  // tokens with nothing seen yet: 0
-    const __m512 alpha = exp2_16(_mm512_sub_ps(m, mu));
+    const __m512 alpha = exp2_16(_mm512_max_ps(_mm512_sub_ps(m, mu), _mm512_set1_ps(-127.f)));  // m = -inf: 0
     __m512 sum = _mm512_setzero_ps(), sum1 = sum;  // two running sums (keys of even and odd index)
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int64_t jp = 0; jp < M; ++jp) {
@@ -215,9 +216,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
           if (!whole) p[e] = _mm512_maskz_mov_ps(valid[j], p[e]);
           if (e) sum1 = _mm512_add_ps(sum1, p[e]); else sum = _mm512_add_ps(sum, p[e]);
         }
-        // row jp of the sub-block's B tile: P^T in key pairs, as it is (the tokens are the lanes)
+        // row jp of the sub-block's B tile: P^T in key pairs, as it is (the tokens are the lanes): both keys
+        // rounded by one instruction, their words then paired by one permute
         _mm512_storeu_si512(sc.pb.data() + (sb * M + jp) * M,
-                            interleave_bf16((__m256i)_mm512_cvtneps_pbh(p[0]), (__m256i)_mm512_cvtneps_pbh(p[1])));
+                            _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
       }
     }
     m = mn;
