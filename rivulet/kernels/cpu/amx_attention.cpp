@@ -174,29 +174,30 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     const int64_t g = job / blocks, ks = k_first + job % blocks * KS;
     const float* s = sc.s.data() + (job & 1) * KS * M;
     const int64_t nkeys = std::min(KS, hi - ks), nsb = (nkeys + KB - 1) / KB;
-    // online softmax over the block, per token (lane); a block that every token sees whole needs no masks
+    // online softmax over the block, per token (lane). Its first `open` keys are seen by every token and need no
+    // masks: without a window, all up to the tile's first position (the causal diagonal's 16 keys are masked)
     const bool whole = ks + nkeys - 1 <= pos[0] && ks >= lo && (a.window == 0 || pos[M - 1] - ks < a.window);
+    const int64_t open = whole ? nkeys : a.window > 0 ? 0 : std::clamp<int64_t>(pos[0] - ks + 1, 0, nkeys);
     __mmask16 valid[KS];
     __m512 bmax = _mm512_set1_ps(-INFINITY);
-    if (whole) {  // four running maxima, not one chain of dependent max ops (0.96-0.97x the kernel's time)
+    {  // four running maxima, not one chain of dependent max ops (0.96-0.97x the kernel's time)
       __m512 b1 = bmax, b2 = bmax, b3 = bmax;
       int64_t j = 0;
-      for (; j + 4 <= nkeys; j += 4) {
+      for (; j + 4 <= open; j += 4) {
         bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
         b1 = _mm512_max_ps(b1, _mm512_loadu_ps(s + (j + 1) * M));
         b2 = _mm512_max_ps(b2, _mm512_loadu_ps(s + (j + 2) * M));
         b3 = _mm512_max_ps(b3, _mm512_loadu_ps(s + (j + 3) * M));
       }
-      for (; j < nkeys; ++j) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
+      for (; j < open; ++j) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(s + j * M));
       bmax = _mm512_max_ps(_mm512_max_ps(bmax, b1), _mm512_max_ps(b2, b3));
-    } else {
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const __m512i key = _mm512_set1_epi32(int(ks + j));
-        __mmask16 v = _mm512_cmpge_epi32_mask(posv, key);
-        if (a.window > 0) v &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(posv, key), _mm512_set1_epi32(int(a.window)));
-        valid[j] = v;
-        bmax = _mm512_mask_max_ps(bmax, v, bmax, _mm512_loadu_ps(s + j * M));
-      }
+    }
+    for (int64_t j = open; j < nkeys; ++j) {
+      const __m512i key = _mm512_set1_epi32(int(ks + j));
+      __mmask16 v = _mm512_cmpge_epi32_mask(posv, key);
+      if (a.window > 0) v &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(posv, key), _mm512_set1_epi32(int(a.window)));
+      valid[j] = v;
+      bmax = _mm512_mask_max_ps(bmax, v, bmax, _mm512_loadu_ps(s + j * M));
     }
     const __m512 mn = _mm512_max_ps(m, _mm512_mul_ps(bmax, c));
     const __m512 mu = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
@@ -213,7 +214,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
             continue;
           }
           p[e] = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * M), c, mu));
-          if (!whole) p[e] = _mm512_maskz_mov_ps(valid[j], p[e]);
+          if (j >= open) p[e] = _mm512_maskz_mov_ps(valid[j], p[e]);
           if (e) sum1 = _mm512_add_ps(sum1, p[e]); else sum = _mm512_add_ps(sum, p[e]);
         }
         // row jp of the sub-block's B tile: P^T in key pairs, as it is (the tokens are the lanes): both keys
