@@ -28,13 +28,21 @@ double ns_since(Clock::time_point t0, double per) {
 
 constexpr int kN = 100000;
 
-double tile_load(const char* b) {
+// four tiles loaded from (or stored to) the four KiB at b, again and again
+double tile_moves(char* b, bool store) {
   const auto t0 = Clock::now();
   for (int i = 0; i < kN; ++i) {
-    _tile_loadd(0, b, 64);
-    _tile_loadd(1, b + 1024, 64);
-    _tile_loadd(2, b + 2048, 64);
-    _tile_loadd(3, b + 3072, 64);
+    if (store) {
+      _tile_stored(0, b, 64);
+      _tile_stored(1, b + 1024, 64);
+      _tile_stored(2, b + 2048, 64);
+      _tile_stored(3, b + 3072, 64);
+    } else {
+      _tile_loadd(0, b, 64);
+      _tile_loadd(1, b + 1024, 64);
+      _tile_loadd(2, b + 2048, 64);
+      _tile_loadd(3, b + 3072, 64);
+    }
   }
   return ns_since(t0, 4.0 * kN);
 }
@@ -57,48 +65,24 @@ double product_chain(int chains) {
   return ns_since(t0, 4.0 * kN);
 }
 
-double tile_store(char* st) {
-  const auto t0 = Clock::now();
-  for (int i = 0; i < kN; ++i) {
-    _tile_stored(0, st, 64);
-    _tile_stored(1, st + 1024, 64);
-    _tile_stored(2, st + 2048, 64);
-    _tile_stored(3, st + 3072, 64);
-  }
-  return ns_since(t0, 4.0 * kN);
-}
-
-// one K step of a 2 x 2 block (A rows 1152 bytes apart, as a 576-feature input), `nv` vector dot products after it
-template <int kNv>
+// one K step of a 2 x 2 block (A rows 1152 bytes apart, as a 576-feature input; kTiles false: none) and kNv
+// vector dot products after it
+template <bool kTiles, int kNv>
 __attribute__((noinline)) double k_step(const char* a, const char* b, const char* w, __m512* acc) {
   const int n = kN / 10;
   const auto t0 = Clock::now();
   for (int i = 0; i < n; ++i)
     for (int kb = 0; kb < 18; ++kb) {
-      _tile_loadd(4, a + kb * 64, 1152);
-      _tile_loadd(6, b + kb * 1024, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + 18432 + kb * 1024, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, a + 16 * 1152 + kb * 64, 1152);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-#pragma GCC unroll 16
-      for (int v = 0; v < kNv; ++v) {
-        const __m512i wv = _mm512_loadu_si512(w + ((kb * kNv + v) & 255) * 64);
-        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int*>(a + (v & 3) * 1152 + kb * 64 + v));
-        acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)xv, (__m512bh)wv);
+      if constexpr (kTiles) {
+        _tile_loadd(4, a + kb * 64, 1152);
+        _tile_loadd(6, b + kb * 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b + 18432 + kb * 1024, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a + 16 * 1152 + kb * 64, 1152);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
-    }
-  return ns_since(t0, 18.0 * n);
-}
-
-template <int kNv>
-__attribute__((noinline)) double vectors_only(const char* a, const char* w, __m512* acc) {
-  const int n = kN / 10;
-  const auto t0 = Clock::now();
-  for (int i = 0; i < n; ++i)
-    for (int kb = 0; kb < 18; ++kb) {
 #pragma GCC unroll 16
       for (int v = 0; v < kNv; ++v) {
         const __m512i wv = _mm512_loadu_si512(w + ((kb * kNv + v) & 255) * 64);
@@ -134,10 +118,10 @@ int main() {
   _tile_zero(7);
   double best[8] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
   for (int rep = 0; rep < 5; ++rep) {  // best of 5: this VM's tile unit is slower in some minutes than others
-    const double r[8] = {tile_load(buf.data()),  product_chain(1), product_chain(4),
-                         tile_store(st),         k_step<0>(a.data(), b.data(), w.data(), acc),
-                         k_step<16>(a.data(), b.data(), w.data(), acc),
-                         vectors_only<16>(a.data(), w.data(), acc), 0.0};
+    const double r[8] = {tile_moves(buf.data(), false), product_chain(1), product_chain(4),
+                         tile_moves(st, true), k_step<true, 0>(a.data(), b.data(), w.data(), acc),
+                         k_step<true, 16>(a.data(), b.data(), w.data(), acc),
+                         k_step<false, 16>(a.data(), b.data(), w.data(), acc), 0.0};
     for (int i = 0; i < 7; ++i) best[i] = r[i] < best[i] ? r[i] : best[i];
   }
   _tile_release();
