@@ -212,7 +212,7 @@ def amx(request: pytest.FixtureRequest):
 def test_prefill_attention_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, window: int | None,
                                              amx: bool) -> None:
     """Chunks from position 0 and after a cached prefix, k-token steps, across the kernels' tiles (32 rows, or
-    16 tokens on AMX) and key blocks (32 keys); 40 query heads per kv head is past the AVX-512 kernel (the
+    32 tokens in halves of 16 on AMX) and key blocks (32 keys); 40 query heads per kv head is past the AVX-512 kernel (the
     SDPA path runs)."""
     from rivulet.kernels.cpu.attention import prefill_kernel
 

@@ -258,7 +258,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tenso
   TORCH_CHECK(Hq % Hk == 0, "prefill_attention: query heads a multiple of kv heads");
   const bool amx = use_amx(query.scalar_type(), D, bs);
   TORCH_CHECK(amx || G <= R, "prefill_attention: at most 32 query heads per kv head");
-  const int64_t TQ = amx ? 16 : R / G;  // query tokens per tile
+  const int64_t TQ = amx ? 32 : R / G;  // query tokens per tile
   std::vector<Tile> tiles;
   for (int64_t i = 0; i < sq.numel(); ++i) {
     const int64_t s = sq.data_ptr<int64_t>()[i];
