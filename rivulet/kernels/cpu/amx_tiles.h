@@ -61,7 +61,7 @@ struct Epilogue {
       const __m512 g = round_to(at::BFloat16{}, _mm512_load_ps(cr)), u = round_to(at::BFloat16{}, _mm512_load_ps(cr + kTileN));
       const __m512 e = simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
       const __m512 s = round_to(at::BFloat16{}, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      store16(o, round_to(at::BFloat16{}, _mm512_mul_ps(s, u)), __mmask16(0xFFFF));
+      store_rounded16(o, _mm512_mul_ps(s, u), __mmask16(0xFFFF));
       return;
     }
     for (int j = 0; j < ncols; j += kTileN) {

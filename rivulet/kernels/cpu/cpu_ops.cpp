@@ -462,7 +462,7 @@ inline void lora_expand_block(Ty* y, int64_t ystride, int64_t o0, int64_t o1, co
   }
   for (int64_t g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v)
-      if (m[v]) store16(y + tok[g] * ystride + o0 + v * 16, round_to(Ty{}, acc[g][v]), m[v]);
+      if (m[v]) store_rounded16(y + tok[g] * ystride + o0 + v * 16, acc[g][v], m[v]);
 #else
   for (int64_t g = 0; g < G; ++g) {
     Ty* yrow = y + tok[g] * ystride + o0;
