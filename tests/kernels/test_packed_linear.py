@@ -77,12 +77,14 @@ def test_our_linear_rows_do_not_depend_on_the_batch() -> None:
     a request's numbers do not change with what else is in the step (oneDNN's change at 64 rows)."""
     w = randn(576, 1536, dtype=torch.bfloat16)
     packed = cpu_ops.pack_linear_weight(w)
-    x = randn(400, 1536, dtype=torch.bfloat16, seed=3)  # row blocks of 16 and 32, several super blocks (AMX)
-    whole = cpu_ops.packed_linear(x, packed)
-    for i in (0, 5, 6, 15, 16, 69, 170, 399):
-        assert torch.equal(cpu_ops.packed_linear(x[i:i + 1], packed)[0], whole[i])
-    for lo, hi in ((16, 33), (150, 190), (0, 70)):
-        assert torch.equal(cpu_ops.packed_linear(x[lo:hi], packed), whole[lo:hi])
+    # row blocks of 16 and 32, several super blocks (AMX); 1000 rows: split by rows between the threads (AMX, from
+    # 512 rows), at row 500, inside a 32-row block; 400 rows: by columns
+    for x in (randn(400, 1536, dtype=torch.bfloat16, seed=3), randn(1000, 1536, dtype=torch.bfloat16, seed=4)):
+        whole = cpu_ops.packed_linear(x, packed)
+        for i in (0, 5, 6, 15, 16, 69, 170, 399, len(x) // 2 - 1, len(x) // 2, len(x) - 1):
+            assert torch.equal(cpu_ops.packed_linear(x[i:i + 1], packed)[0], whole[i])
+        for lo, hi in ((16, 33), (150, 190), (0, 70), (480, 530)):
+            assert torch.equal(cpu_ops.packed_linear(x[lo:hi], packed), whole[lo:hi])
 
 
 @ours
@@ -101,12 +103,13 @@ amx = pytest.mark.skipif(not cpu_ops.AMX_BF16, reason="the gate/up kernel with S
 
 
 @amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300, 700])
 @pytest.mark.parametrize("shape", [(3072, 576), (192, 64), (96, 96)])
 def test_gate_up_with_silu_mul_in_the_kernel_equals_the_two_ops(rows: int, shape: tuple[int, int]) -> None:
     """`packed_linear_silu_mul` on AMX tiles (each block pairs gate block j with up block j and ends in SiLU *
     up): bit for bit `silu_and_mul(packed_linear(...))`, a row's numbers whatever the batch, near float32.
-    Rows: 1 x 2 blocks up to 16, 2 x 2 blocks with partial row tiles and super blocks above."""
+    Rows: 1 x 2 blocks up to 16, 2 x 2 blocks with partial row tiles and super blocks above (split by rows between
+    the threads at 700)."""
     n, k = shape
     w = randn(n, k, dtype=torch.bfloat16) * 0.2
     packed = cpu_ops.pack_linear_weight(w)
