@@ -1,13 +1,15 @@
 // What the AMX tile instructions cost on this machine, one thread, data in L1: a 16-row tile load, a tile
 // product alone and in dependent chains, a tile store, a 2 x 2 linear block's K step (four loads, four
 // products), and that K step with AVX-512 bf16 dot products between its instructions (do the vector units run
-// beside the tile unit?). Prints JSON.
+// beside the tile unit?); and tiles loaded from L1 and from L2 with rows of several strides, with and without
+// software prefetch into L1. Prints JSON.
 //
 //   g++ -O2 -march=native -o /tmp/amx_tile_timings benchmarks/amx_tile_timings.cpp && /tmp/amx_tile_timings
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -93,6 +95,27 @@ __attribute__((noinline)) double k_step(const char* a, const char* b, const char
   return ns_since(t0, 18.0 * n);
 }
 
+// 16-row tile loads walking `bytes` of b (rows `stride` bytes apart, the tiles of a row band side by side), each
+// tile loaded twice (the second load finds its lines in L1); pf: each tile's 16 lines prefetched into L1 that many
+// tiles ahead (0: none). ns per tile (both loads)
+double tile_walk(const char* b, size_t bytes, int stride, int pf) {
+  const size_t cols = stride / 64, span = size_t(16) * stride, tiles = bytes / span * cols;
+  const int reps = int(std::max<size_t>(1, (size_t(64) << 20) / bytes));
+  const auto t0 = Clock::now();
+  for (int r = 0; r < reps; ++r)
+    for (size_t i = 0; i < tiles; ++i) {
+      if (pf) {
+        const size_t j = (i + pf) % tiles;
+        const char* q = b + j / cols * span + j % cols * 64;
+        for (int k = 0; k < 16; ++k) _mm_prefetch(q + k * stride, _MM_HINT_T0);
+      }
+      const char* p = b + i / cols * span + i % cols * 64;
+      _tile_loadd(0, p, stride);
+      _tile_loadd(1, p, stride);
+    }
+  return ns_since(t0, double(tiles) * reps);
+}
+
 }  // namespace
 
 int main() {
@@ -124,6 +147,19 @@ int main() {
                          k_step<false, 16>(a.data(), b.data(), w.data(), acc), 0.0};
     for (int i = 0; i < 7; ++i) best[i] = r[i] < best[i] ? r[i] : best[i];
   }
+  // tiles from L1 (16 KiB) and from L2 (1 MiB): rows 64 bytes apart (a packed operand) and 384 / 1152 apart (keys
+  // in a KV cache page, activations of 576 features), without and with software prefetch into L1
+  std::vector<char> l1(16 * 1024, 1), l2(1024 * 1024, 1);
+  struct Walk { const char* name; const std::vector<char>* b; int stride, pf; double best; };
+  Walk walks[] = {{"l1_stride_64", &l1, 64, 0, 1e30},        {"l1_stride_384", &l1, 384, 0, 1e30},
+                  {"l2_stride_64", &l2, 64, 0, 1e30},        {"l2_stride_64_prefetch", &l2, 64, 4, 1e30},
+                  {"l2_stride_384", &l2, 384, 0, 1e30},      {"l2_stride_384_prefetch", &l2, 384, 4, 1e30},
+                  {"l2_stride_1152", &l2, 1152, 0, 1e30},    {"l2_stride_1152_prefetch", &l2, 1152, 4, 1e30}};
+  for (int rep = 0; rep < 5; ++rep)
+    for (Walk& w : walks) {
+      const double t = tile_walk(w.b->data(), w.b->size(), w.stride, w.pf);
+      w.best = t < w.best ? t : w.best;
+    }
   _tile_release();
   __m512 sum = _mm512_setzero_ps();
   for (auto& v : acc) sum = _mm512_add_ps(sum, v);
@@ -134,7 +170,9 @@ int main() {
   std::printf(
       "{\"ns\": {\"tile_load_16_rows\": %.2f, \"product_one_chain\": %.2f, \"product_four_chains\": %.2f, "
       "\"tile_store\": %.2f, \"k_step_2x2\": %.2f, \"k_step_2x2_plus_16_vdpbf16ps\": %.2f, "
-      "\"16_vdpbf16ps_alone\": %.2f}, \"sink\": %g}\n",
-      best[0], best[1], best[2], best[3], best[4], best[5], best[6], sink);
+      "\"16_vdpbf16ps_alone\": %.2f}, \"tile_loaded_twice_ns\": {",
+      best[0], best[1], best[2], best[3], best[4], best[5], best[6]);
+  for (const Walk& w : walks) std::printf("%s\"%s\": %.2f", &w == walks ? "" : ", ", w.name, w.best);
+  std::printf("}, \"sink\": %g}\n", sink);
   return 0;
 }
