@@ -244,6 +244,22 @@ def test_long_bf16_prefill_attention_matches_reference(hq: int, hk: int, d: int,
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("growth", [1.0, 4.0, 0.25])
+def test_prefill_attention_with_scores_that_rise_or_fall_along_the_keys(growth: float, amx: bool) -> None:
+    """Keys scaled by growth^(position / 256): with 4, each 256-key block's scores pass the running max by far, so
+    the AMX kernel's lazy max moves and rescales its accumulators (it moves only past 2^8 of P); with 0.25 the
+    first block's max holds. Against the float32 reference, from 0 and after a cached prefix."""
+    bs, hq, hk, d = 16, 9, 3, 64
+    meta, cache, q = _paged_batch([(0, 900), (600, 200)], bs, hq, hk, d, torch.bfloat16)
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        for p in range(0, n, bs):  # each page of the sequence, in position order
+            page = int(meta.block_tables[i, p // bs])
+            cache[0, page] = (cache[0, page].float() * growth ** (p / 256)).to(torch.bfloat16)
+    got = paged_attention_cpu(q, cache, meta, d**-0.5, None)
+    want = paged_attention_ref(q.float(), cache.float(), meta, d**-0.5, None)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 8, 11])  # below, at and across the kernel's 8-row tile
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 100), (33, 576)])  # K not a multiple of 64 too

@@ -12,10 +12,13 @@
 //   O^T [D x tokens] += V^T P^T   A: the values transposed, in key pairs (16 dims x 16 key pairs), packed once per
 //                                 call for every (sequence, kv head) and shared by all its tiles; B: a half's P^T
 //                                 in bf16 key pairs as the softmax leaves it in the lanes (no transpose)
-// V^T P^T of a block's eight sub-blocks sums in the C tiles; O^T stays in fp32 outside them (scaled by the
-// softmax's correction, one vector over a half's tokens, once a block), and is normalized and transposed at the
-// end. A tile of 16 tokens or fewer runs one half (no products for the other). The vector units and the tile unit
-// do not overlap here, so the scores are computed right before their softmax (one buffer of 32 KiB, in L1).
+// O^T stays in fp32 outside the C tiles, which load it back for each block's V^T P^T and store it after the
+// block's eight sub-blocks. The running max is lazy: it moves only when a block's scores pass it by more than
+// 8 (base 2), so P <= 2^8 and O^T is rescaled (a vector pass) only then, rarely after a head's first block
+// (with a max that moved every block, the tiles' sums would need that pass each time: 0.97-0.98x the kernel's
+// time against it). O^T is normalized and transposed at the end. A tile of 16 tokens or fewer runs one half (no
+// products for the other). The vector units and the tile unit do not overlap here, so the scores are computed
+// right before their softmax (one buffer of 32 KiB, in L1).
 // bf16 inputs, fp32 scores and sums, P rounded to bf16 for P V: the arithmetic of the AVX-512 kernel and of
 // PyTorch's flash kernel, in another order of the sums.
 #include "prefill_attention.h"
@@ -72,6 +75,7 @@ inline void transpose16(__m512i r[16]) {
 constexpr int64_t NSB = 8;         // 32-key sub-blocks of a softmax block (4: 1.1x the time at 1k tokens)
 constexpr int64_t KS = KB * NSB;   // keys of a softmax block
 constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLazyMax = 8.f;  // log2 of the largest P the lazy max lets through (as exact in bf16 as P <= 1)
 
 // 2^x for 16 floats, x finite (softmax in base 2, the scale and log2(e) folded into one multiply): 2^r for
 // r = x - floor(x) in [0, 1) (one vreduceps) by a degree-3 polynomial fitted to its relative error (at most
@@ -96,9 +100,8 @@ struct Scratch {
   std::vector<uint32_t> qt;  // [G][2 halves][D/2 dim pairs][16 tokens]: Q^T of each head, B tiles of 16 pairs
   std::vector<float> s;      // [KS keys][32 tokens]: S^T of the softmax block
   std::vector<uint32_t> pb;  // [NSB][2 halves][16 key pairs][16 tokens]: P^T in key pairs, B tiles
-  std::vector<float> pv;     // [D][32 tokens]: (P V)^T from the C tiles
-  std::vector<float> o;      // [D][32 tokens]: output accumulators of the head, transposed
-  Scratch(int64_t G, int64_t D) : qt(G * D * M), s(KS * MT), pb(NSB * 2 * M * M), pv(D * MT), o(D * MT) {}
+  std::vector<float> o;      // [D][32 tokens]: output accumulators of the head, transposed (C tiles' rows)
+  Scratch(int64_t G, int64_t D) : qt(G * D * M), s(KS * MT), pb(NSB * 2 * M * M), o(D * MT) {}
 };
 
 // S^T of one 32-key sub-block (its halves at page rows kp0, kp1; kp1 null: 16 keys) for the tile's tokens, stored
@@ -173,9 +176,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int64_t vblock = D * KB / 2;
   T* out = static_cast<T*>(a.out);
-  __m512 m[2], l[2];  // per token half: running max (base 2, scaled) and sum
+  __m512 m[2], l[2];  // per token half: running (lazy) max, base 2 and scaled, and sum
   for (int th = 0; th < 2; ++th) m[th] = _mm512_set1_ps(-INFINITY), l[th] = _mm512_setzero_ps();
-  std::fill(sc.o.begin(), sc.o.end(), 0.f);
   for (int64_t job = 0; job < jobs; ++job) {
     issue(job);
     const int64_t g = job / blocks, ks = k_first + job % blocks * KS;
@@ -187,6 +189,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     const int64_t open = whole ? nkeys : a.window > 0 ? 0 : std::clamp<int64_t>(pos[0] - ks + 1, 0, nkeys);
     __mmask16 valid[KS][2];
     __m512 alpha[2], mu[2], mn[2];
+    bool moved = false;  // some token's max moved: O^T needs its correction
     for (int th = 0; th < halves; ++th) {
       __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0;  // two running maxima, not one chain of dependent max ops
       int64_t j = 0;
@@ -203,10 +206,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
         valid[j][th] = v;
         bmax = _mm512_mask_max_ps(bmax, v, bmax, _mm512_loadu_ps(s + j * MT + th * M));
       }
-      mn[th] = _mm512_max_ps(m[th], _mm512_mul_ps(bmax, c));
+      const __m512 bm = _mm512_mul_ps(bmax, c);
+      const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m[th], _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
+      moved |= up != 0;
+      mn[th] = _mm512_mask_blend_ps(up, m[th], bm);
       mu[th] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn[th], _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn[th],
                                     _mm512_setzero_ps());
-      alpha[th] = exp2_16(_mm512_max_ps(_mm512_sub_ps(m[th], mu[th]), _mm512_set1_ps(-127.f)));  // m = -inf: 0
+      alpha[th] = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.f),  // m = -inf: 0
+                                       exp2_16(_mm512_max_ps(_mm512_sub_ps(m[th], mu[th]), _mm512_set1_ps(-127.f))));
     }
     __m512 sum[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
     for (int64_t sb = 0; sb < nsb; ++sb)
@@ -232,16 +239,33 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
       m[th] = mn[th];
       l[th] = _mm512_fmadd_ps(l[th], alpha[th], _mm512_add_ps(sum[th][0], sum[th][1]));
     }
-    // O^T += V^T P^T in 2 x 2 blocks, summed over the sub-blocks in the C tiles: C tiles 0-3 = (dims dn0, half 0),
-    // (dn0 + 1, half 0), (dn0, half 1), (dn0 + 1, half 1); A the values transposed (tiles 4-5, packed so), B P^T
-    // as the softmax left it in its lanes (tiles 6-7); then O^T = alpha O^T + that, alpha per token
+    // O^T = alpha O^T + V^T P^T in 2 x 2 blocks: O^T scaled first where a max moved (alpha per token), then loaded
+    // into C tiles 0-3 = (dims dn0, half 0), (dn0 + 1, half 0), (dn0, half 1), (dn0 + 1, half 1) (zeros for a head's
+    // first block), the sub-blocks' products added, and stored back; A the values transposed (tiles 4-5, packed
+    // so), B P^T as the softmax left it in its lanes (tiles 6-7)
+    const bool head_first = job % blocks == 0;
+    float* const o = sc.o.data();
+    if (moved && !head_first)
+      for (int64_t d = 0; d < D; ++d)
+        for (int th = 0; th < halves; ++th)
+          _mm512_storeu_ps(o + d * MT + th * M, _mm512_mul_ps(_mm512_loadu_ps(o + d * MT + th * M), alpha[th]));
     const uint32_t* vb = vs.base + (ks / KB - vs.b0) * vblock;
     for (int64_t dn0 = 0; dn0 < DN; dn0 += 2) {
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
+      float* od = o + dn0 * 16 * MT;
+      if (head_first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+      } else {
+        _tile_loadd(0, od, MT * 4);
+        _tile_loadd(1, od + M * MT, MT * 4);
+        if (two) {
+          _tile_loadd(2, od + M, MT * 4);
+          _tile_loadd(3, od + M * MT + M, MT * 4);
+        }
       }
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint32_t* v = vb + sb * vblock + dn0 * M * M;
@@ -257,18 +281,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
           _tile_dpbf16ps(3, 5, 7);
         }
       }
-      float* pv = sc.pv.data() + dn0 * 16 * MT;
-      _tile_stored(0, pv, MT * 4);
-      _tile_stored(1, pv + M * MT, MT * 4);
+      _tile_stored(0, od, MT * 4);
+      _tile_stored(1, od + M * MT, MT * 4);
       if (two) {
-        _tile_stored(2, pv + M, MT * 4);
-        _tile_stored(3, pv + M * MT + M, MT * 4);
+        _tile_stored(2, od + M, MT * 4);
+        _tile_stored(3, od + M * MT + M, MT * 4);
       }
-      float* o = sc.o.data() + dn0 * 16 * MT;
-      for (int64_t d = 0; d < 32; ++d)
-        for (int th = 0; th < halves; ++th)
-          _mm512_storeu_ps(o + d * MT + th * M, _mm512_fmadd_ps(_mm512_loadu_ps(o + d * MT + th * M), alpha[th],
-                                                                 _mm512_loadu_ps(pv + d * MT + th * M)));
     }
     if (job % blocks == blocks - 1) {  // the head's last block: normalize, transpose and write out, then the next head
       for (int th = 0; th < halves; ++th) {
@@ -286,7 +304,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
         }
       }
       for (int th = 0; th < 2; ++th) m[th] = _mm512_set1_ps(-INFINITY), l[th] = _mm512_setzero_ps();
-      std::fill(sc.o.begin(), sc.o.end(), 0.f);
     }
   }
 }
