@@ -190,7 +190,26 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
     __mmask16 valid[KS][2];
     __m512 alpha[2], mu[2], mn[2];
     bool moved = false;  // some token's max moved: O^T needs its correction
-    for (int th = 0; th < halves; ++th) {
+    // after a head's first block (no window: every token's max is finite) P is computed with the lazy max as it is
+    // and the block's max found on the way, the block redone only where it moved (0.96x the kernel's time at
+    // 1 x 1024 against a max pass first); a head's first block and windows take the max pass
+    const bool fold = job % blocks != 0 && a.window == 0;
+    auto lazy_update = [&](int th, __m512 bmax) {  // -> whether th's max moved
+      const __m512 bm = _mm512_mul_ps(bmax, c);
+      const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m[th], _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
+      mn[th] = _mm512_mask_blend_ps(up, m[th], bm);
+      mu[th] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn[th], _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn[th],
+                                    _mm512_setzero_ps());
+      alpha[th] = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.f),  // m = -inf: 0
+                                       exp2_16(_mm512_max_ps(_mm512_sub_ps(m[th], mu[th]), _mm512_set1_ps(-127.f))));
+      return up != 0;
+    };
+    for (int th = 0; fold && th < halves; ++th) {
+      for (int64_t j = open; j < nkeys; ++j)
+        valid[j][th] = _mm512_cmpge_epi32_mask(posv[th], _mm512_set1_epi32(int(ks + j)));
+      mu[th] = mn[th] = m[th], alpha[th] = _mm512_set1_ps(1.f);
+    }
+    for (int th = 0; !fold && th < halves; ++th) {
       __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0;  // two running maxima, not one chain of dependent max ops
       int64_t j = 0;
       for (; j + 2 <= open; j += 2) {
@@ -206,35 +225,42 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
         valid[j][th] = v;
         bmax = _mm512_mask_max_ps(bmax, v, bmax, _mm512_loadu_ps(s + j * MT + th * M));
       }
-      const __m512 bm = _mm512_mul_ps(bmax, c);
-      const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m[th], _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ);
-      moved |= up != 0;
-      mn[th] = _mm512_mask_blend_ps(up, m[th], bm);
-      mu[th] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mn[th], _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn[th],
-                                    _mm512_setzero_ps());
-      alpha[th] = _mm512_mask_blend_ps(up, _mm512_set1_ps(1.f),  // m = -inf: 0
-                                       exp2_16(_mm512_max_ps(_mm512_sub_ps(m[th], mu[th]), _mm512_set1_ps(-127.f))));
+      moved |= lazy_update(th, bmax);
     }
-    __m512 sum[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
-    for (int64_t sb = 0; sb < nsb; ++sb)
-      for (int64_t jp = 0; jp < M; ++jp)
-        for (int th = 0; th < halves; ++th) {
-          __m512 p[2];
-          for (int e = 0; e < 2; ++e) {
-            const int64_t j = sb * KB + 2 * jp + e;
-            if (j >= nkeys) {
-              p[e] = _mm512_setzero_ps();
-              continue;
+    __m512 sum[2][2], bmx[2];
+    auto exps = [&](bool track) {  // P^T of the block into the B tiles' rows, its sums; track: its max into bmx
+      for (int th = 0; th < 2; ++th)
+        sum[th][0] = sum[th][1] = _mm512_setzero_ps(), bmx[th] = _mm512_set1_ps(-INFINITY);
+      for (int64_t sb = 0; sb < nsb; ++sb)
+        for (int64_t jp = 0; jp < M; ++jp)
+          for (int th = 0; th < halves; ++th) {
+            __m512 p[2];
+            for (int e = 0; e < 2; ++e) {
+              const int64_t j = sb * KB + 2 * jp + e;
+              if (j >= nkeys) {
+                p[e] = _mm512_setzero_ps();
+                continue;
+              }
+              const __m512 sv = _mm512_loadu_ps(s + j * MT + th * M);
+              if (track)
+                bmx[th] = j < open ? _mm512_max_ps(bmx[th], sv)
+                                   : _mm512_mask_max_ps(bmx[th], valid[j][th], bmx[th], sv);
+              p[e] = exp2_16(_mm512_fmsub_ps(sv, c, mu[th]));
+              if (j >= open) p[e] = _mm512_maskz_mov_ps(valid[j][th], p[e]);
+              sum[th][e] = _mm512_add_ps(sum[th][e], p[e]);
             }
-            p[e] = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j * MT + th * M), c, mu[th]));
-            if (j >= open) p[e] = _mm512_maskz_mov_ps(valid[j][th], p[e]);
-            sum[th][e] = _mm512_add_ps(sum[th][e], p[e]);
+            // row jp of the half's B tile: P^T in key pairs, as it is (the tokens are the lanes): both keys rounded
+            // by one instruction, their words then paired by one permute
+            _mm512_storeu_si512(sc.pb.data() + ((sb * 2 + th) * M + jp) * M,
+                                _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
           }
-          // row jp of the half's B tile: P^T in key pairs, as it is (the tokens are the lanes): both keys rounded
-          // by one instruction, their words then paired by one permute
-          _mm512_storeu_si512(sc.pb.data() + ((sb * 2 + th) * M + jp) * M,
-                              _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
-        }
+    };
+    exps(fold);
+    if (fold) {
+      bool redo = false;
+      for (int th = 0; th < halves; ++th) redo |= lazy_update(th, bmx[th]);
+      if (redo) exps(false), moved = true;
+    }
     for (int th = 0; th < halves; ++th) {
       m[th] = mn[th];
       l[th] = _mm512_fmadd_ps(l[th], alpha[th], _mm512_add_ps(sum[th][0], sum[th][1]));
