@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -118,6 +120,14 @@ double tile_walk(const char* b, size_t bytes, int stride, int pf) {
 
 }  // namespace
 
+// `bytes` of value-1 bytes from a 64-byte line plus `offset` (16: every 64-byte tile row across two lines, as in a
+// buffer from malloc, which aligns to 16)
+char* buffer(size_t bytes, size_t offset) {
+  char* p = static_cast<char*>(std::aligned_alloc(64, (bytes + offset + 63) / 64 * 64)) + offset;
+  std::memset(p, 1, bytes);
+  return p;
+}
+
 int main() {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
@@ -127,7 +137,6 @@ int main() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
-  std::vector<char> buf(64 * 1024, 1), a(64 * 1024, 1), b(40 * 1024, 1), w(16 * 1024, 1);
   alignas(64) static char st[4096];
   __m512 acc[16];
   for (auto& v : acc) v = _mm512_setzero_ps();
@@ -139,27 +148,30 @@ int main() {
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  double best[8] = {1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30};
-  for (int rep = 0; rep < 5; ++rep) {  // best of 5: this VM's tile unit is slower in some minutes than others
-    const double r[8] = {tile_moves(buf.data(), false), product_chain(1), product_chain(4),
-                         tile_moves(st, true), k_step<true, 0>(a.data(), b.data(), w.data(), acc),
-                         k_step<true, 16>(a.data(), b.data(), w.data(), acc),
-                         k_step<false, 16>(a.data(), b.data(), w.data(), acc), 0.0};
-    for (int i = 0; i < 7; ++i) best[i] = r[i] < best[i] ? r[i] : best[i];
+  const char* names[2] = {"lines", "across_lines"};  // tile rows on whole 64-byte lines, or each across two
+  double best[2][8];
+  for (auto& b : best)
+    for (double& x : b) x = 1e30;
+  for (int off = 0; off < 2; ++off) {
+    char *buf = buffer(64 * 1024, 16 * off), *a = buffer(64 * 1024, 16 * off), *b = buffer(40 * 1024, 16 * off);
+    char* w = buffer(16 * 1024, 0);
+    for (int rep = 0; rep < 5; ++rep) {  // best of 5: this VM's tile unit is slower in some minutes than others
+      const double r[7] = {tile_moves(buf, false), product_chain(1), product_chain(4), tile_moves(st, true),
+                           k_step<true, 0>(a, b, w, acc), k_step<true, 16>(a, b, w, acc), k_step<false, 16>(a, b, w, acc)};
+      for (int i = 0; i < 7; ++i) best[off][i] = std::min(best[off][i], r[i]);
+    }
   }
   // tiles from L1 (16 KiB) and from L2 (1 MiB): rows 64 bytes apart (a packed operand) and 384 / 1152 apart (keys
   // in a KV cache page, activations of 576 features), without and with software prefetch into L1
-  std::vector<char> l1(16 * 1024, 1), l2(1024 * 1024, 1);
-  struct Walk { const char* name; const std::vector<char>* b; int stride, pf; double best; };
-  Walk walks[] = {{"l1_stride_64", &l1, 64, 0, 1e30},        {"l1_stride_384", &l1, 384, 0, 1e30},
-                  {"l2_stride_64", &l2, 64, 0, 1e30},        {"l2_stride_64_prefetch", &l2, 64, 4, 1e30},
-                  {"l2_stride_384", &l2, 384, 0, 1e30},      {"l2_stride_384_prefetch", &l2, 384, 4, 1e30},
-                  {"l2_stride_1152", &l2, 1152, 0, 1e30},    {"l2_stride_1152_prefetch", &l2, 1152, 4, 1e30}};
+  const char *l1 = buffer(16 * 1024, 0), *l2 = buffer(1024 * 1024, 0), *l2x = buffer(1024 * 1024, 16);
+  struct Walk { const char* name; const char* b; size_t bytes; int stride, pf; double best; };
+  Walk walks[] = {{"l1_stride_64", l1, 16 << 10, 64, 0, 1e30},          {"l1_stride_384", l1, 16 << 10, 384, 0, 1e30},
+                  {"l2_stride_64", l2, 1 << 20, 64, 0, 1e30},           {"l2_stride_64_prefetch", l2, 1 << 20, 64, 4, 1e30},
+                  {"l2_stride_384", l2, 1 << 20, 384, 0, 1e30},         {"l2_stride_384_prefetch", l2, 1 << 20, 384, 4, 1e30},
+                  {"l2_stride_1152", l2, 1 << 20, 1152, 0, 1e30},       {"l2_stride_1152_prefetch", l2, 1 << 20, 1152, 4, 1e30},
+                  {"l2_stride_64_across_lines", l2x, 1 << 20, 64, 0, 1e30}};
   for (int rep = 0; rep < 5; ++rep)
-    for (Walk& w : walks) {
-      const double t = tile_walk(w.b->data(), w.b->size(), w.stride, w.pf);
-      w.best = t < w.best ? t : w.best;
-    }
+    for (Walk& w : walks) w.best = std::min(w.best, tile_walk(w.b, w.bytes, w.stride, w.pf));
   _tile_release();
   __m512 sum = _mm512_setzero_ps();
   for (auto& v : acc) sum = _mm512_add_ps(sum, v);
@@ -167,11 +179,15 @@ int main() {
   _mm512_store_ps(lanes, sum);
   float sink = 0;
   for (float x : lanes) sink += x;
-  std::printf(
-      "{\"ns\": {\"tile_load_16_rows\": %.2f, \"product_one_chain\": %.2f, \"product_four_chains\": %.2f, "
-      "\"tile_store\": %.2f, \"k_step_2x2\": %.2f, \"k_step_2x2_plus_16_vdpbf16ps\": %.2f, "
-      "\"16_vdpbf16ps_alone\": %.2f}, \"tile_loaded_twice_ns\": {",
-      best[0], best[1], best[2], best[3], best[4], best[5], best[6]);
+  std::printf("{\"ns\": {");
+  for (int off = 0; off < 2; ++off)
+    std::printf(
+        "%s\"%s\": {\"tile_load_16_rows\": %.2f, \"product_one_chain\": %.2f, \"product_four_chains\": %.2f, "
+        "\"tile_store\": %.2f, \"k_step_2x2\": %.2f, \"k_step_2x2_plus_16_vdpbf16ps\": %.2f, "
+        "\"16_vdpbf16ps_alone\": %.2f}",
+        off ? ", " : "", names[off], best[off][0], best[off][1], best[off][2], best[off][3], best[off][4], best[off][5],
+        best[off][6]);
+  std::printf("}, \"tile_loaded_twice_ns\": {");
   for (const Walk& w : walks) std::printf("%s\"%s\": %.2f", &w == walks ? "" : ", ", w.name, w.best);
   std::printf("}, \"sink\": %g}\n", sink);
   return 0;

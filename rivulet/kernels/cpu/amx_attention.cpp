@@ -3,8 +3,9 @@
 //
 // A tile of work is 32 consecutive query tokens of one (sequence, kv head), in two halves of 16; its G query heads
 // are done one after another, each over softmax blocks of 256 keys (eight sub-blocks of 32). Both matmuls run in
-// 2 x 2 tile blocks, as the linear's do, so that each tile load serves two products (tile loads, not products,
-// bound the tile unit here: benchmarks/amx_tile_timings.cpp):
+// 2 x 2 tile blocks, as the linear's do, so that each tile load serves two products. Every buffer the tiles
+// read or write is on 64-byte lines (`line_vector`): a tile whose rows cross lines loads ~6x slower
+// (benchmarks/amx_tile_timings.cpp; misaligned scratch made this kernel 1.1-1.3x slower):
 //   S^T [keys x tokens] = K Q^T   A: 16 keys read in place from their cache page (block_size % 16 == 0), two
 //                                 per sub-block; B: a half's Q^T in dim pairs, packed once per tile (16 x 16
 //                                 dword transposes); fp32 C tiles (key half x token half)
@@ -97,10 +98,10 @@ struct VSpan {
 };
 
 struct Scratch {
-  std::vector<uint32_t> qt;  // [G][2 halves][D/2 dim pairs][16 tokens]: Q^T of each head, B tiles of 16 pairs
-  std::vector<float> s;      // [KS keys][32 tokens]: S^T of the softmax block
-  std::vector<uint32_t> pb;  // [NSB][2 halves][16 key pairs][16 tokens]: P^T in key pairs, B tiles
-  std::vector<float> o;      // [D][32 tokens]: output accumulators of the head, transposed (C tiles' rows)
+  line_vector<uint32_t> qt;  // [G][2 halves][D/2 dim pairs][16 tokens]: Q^T of each head, B tiles of 16 pairs
+  line_vector<float> s;      // [KS keys][32 tokens]: S^T of the softmax block
+  line_vector<uint32_t> pb;  // [NSB][2 halves][16 key pairs][16 tokens]: P^T in key pairs, B tiles
+  line_vector<float> o;      // [D][32 tokens]: output accumulators of the head, transposed (C tiles' rows)
   Scratch(int64_t G, int64_t D) : qt(G * D * M), s(KS * MT), pb(NSB * 2 * M * M), o(D * MT) {}
 };
 
@@ -379,7 +380,7 @@ void run_tiles_amx(const Args& a, const std::vector<Tile>& tiles) {
     for (int64_t b = b0; b < b1; ++b) units.emplace_back(i, b);
   }
   // kept between calls (no page faults per step), one per calling thread; the team reads it through `vp`
-  thread_local std::vector<uint32_t> vpack;
+  thread_local line_vector<uint32_t> vpack;
   if (int64_t(vpack.size()) < total) vpack.resize(total);
   uint32_t* const vp = vpack.data();
   at::parallel_for(0, int64_t(units.size()), 4, [&](int64_t u0, int64_t u1) {

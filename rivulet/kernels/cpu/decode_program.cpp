@@ -153,9 +153,9 @@ struct Layer {
 // What one thread keeps across the step: its copy of the residual stream and its scratch.
 template <typename T>
 struct Scratch {
-  std::vector<T> residual, act;  // [rows, hidden], [rows, max width]
-  std::vector<float> buf, qf, acc, sc;
-  std::vector<T> rot, normed;  // one rotated head, one normed head
+  line_vector<T> residual, act;  // [rows, hidden], [rows, max width]: the AMX linears' inputs, on whole lines
+  line_vector<float> buf, qf, acc, sc;
+  line_vector<T> rot, normed;  // one rotated head, one normed head
   std::vector<QuantRow> xq;
 };
 
@@ -388,7 +388,7 @@ class DecodeProgram {
   int64_t Hq_, Hk_, D_, I_, max_rows_, H_ = 0;
   torch::ScalarType dtype_;
   std::vector<Layer> layers_;
-  std::vector<char> qkv_, attn_, hid_, gu_, res_, act_;  // shared by the threads (res_, act_: split steps)
+  line_vector<char> qkv_, attn_, hid_, gu_, res_, act_;  // shared by the threads (res_, act_: split steps)
   std::vector<QuantRow> xq_;
   std::vector<Scratch<float>> scratch_f_;
   std::vector<Scratch<at::BFloat16>> scratch_b_;

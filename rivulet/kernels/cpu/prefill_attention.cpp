@@ -64,8 +64,8 @@ struct BF16 {
 #endif
 
 struct Scratch {
-  std::vector<uint32_t> qp, kc, pp, vp;
-  std::vector<float> s, ot;
+  line_vector<uint32_t> qp, kc, pp, vp;
+  line_vector<float> s, ot;
   Scratch(int64_t D) : qp(D * R), kc(KB * D), pp(KB * R), vp(KB * D), s(KB * R), ot(D * R) {}
 };
 

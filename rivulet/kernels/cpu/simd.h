@@ -1,6 +1,28 @@
 // Helpers shared by the C++ CPU kernels: AVX-512 math, and the AMX tile configuration's layout.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <new>
+#include <vector>
+
+// Memory on 64-byte lines for the kernels' own buffers (malloc aligns to 16): an AMX tile whose rows straddle two
+// lines loads 2.5x slower than one on whole lines (benchmarks/amx_tile_timings.cpp), and a vector load across two
+// lines costs two.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using line_vector = std::vector<T, LineAllocator<T>>;
 #ifdef __AVX512F__
 #include <immintrin.h>
 
