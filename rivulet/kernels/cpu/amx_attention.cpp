@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace prefill {
 namespace {
@@ -229,32 +230,50 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const Args& a, const 
       moved |= lazy_update(th, bmax);
     }
     __m512 sum[2][2], bmx[2];
-    auto exps = [&](bool track) {  // P^T of the block into the B tiles' rows, its sums; track: its max into bmx
-      for (int th = 0; th < 2; ++th)
-        sum[th][0] = sum[th][1] = _mm512_setzero_ps(), bmx[th] = _mm512_set1_ps(-INFINITY);
-      for (int64_t sb = 0; sb < nsb; ++sb)
-        for (int64_t jp = 0; jp < M; ++jp)
-          for (int th = 0; th < halves; ++th) {
-            __m512 p[2];
-            for (int e = 0; e < 2; ++e) {
-              const int64_t j = sb * KB + 2 * jp + e;
-              if (j >= nkeys) {
-                p[e] = _mm512_setzero_ps();
-                continue;
-              }
-              const __m512 sv = _mm512_loadu_ps(s + j * MT + th * M);
-              if (track)
-                bmx[th] = j < open ? _mm512_max_ps(bmx[th], sv)
-                                   : _mm512_mask_max_ps(bmx[th], valid[j][th], bmx[th], sv);
-              p[e] = exp2_16(_mm512_fmsub_ps(sv, c, mu[th]));
-              if (j >= open) p[e] = _mm512_maskz_mov_ps(valid[j][th], p[e]);
-              sum[th][e] = _mm512_add_ps(sum[th][e], p[e]);
-            }
-            // row jp of the half's B tile: P^T in key pairs, as it is (the tokens are the lanes): both keys rounded
-            // by one instruction, their words then paired by one permute
-            _mm512_storeu_si512(sc.pb.data() + ((sb * 2 + th) * M + jp) * M,
-                                _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
+    // P^T of one token half into the B tiles' rows, its two sums (even and odd keys) and, with kTrack, its block max:
+    // the whole pairs of keys before the first masked one without a test, then the diagonal's keys masked
+    auto exps_half = [&](auto track_c, int th) {
+      constexpr bool kTrack = decltype(track_c)::value;
+      const __m512 mut = mu[th];
+      __m512 s0 = _mm512_setzero_ps(), s1 = s0, bm = _mm512_set1_ps(-INFINITY);
+      const float* st = s + th * M;
+      uint32_t* const pt = sc.pb.data() + th * M * M;
+      // row j/2 of the sub-block's B tile: P^T in key pairs, as it is (the tokens are the lanes): both keys rounded by
+      // one instruction, their words then paired by one permute
+      auto store_pair = [&](int64_t j, __m512 p0, __m512 p1) {
+        _mm512_storeu_si512(pt + j / KB * 2 * M * M + j % KB / 2 * M,
+                            _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+      };
+      int64_t j = 0;
+      for (const int64_t clean = open / 2 * 2; j < clean; j += 2) {
+        const __m512 v0 = _mm512_loadu_ps(st + j * MT), v1 = _mm512_loadu_ps(st + (j + 1) * MT);
+        if constexpr (kTrack) bm = _mm512_max_ps(bm, _mm512_max_ps(v0, v1));
+        const __m512 p0 = exp2_16(_mm512_fmsub_ps(v0, c, mut)), p1 = exp2_16(_mm512_fmsub_ps(v1, c, mut));
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+        store_pair(j, p0, p1);
+      }
+      for (; j < nsb * KB; j += 2) {
+        __m512 p[2];
+        for (int e = 0; e < 2; ++e) {
+          const int64_t k = j + e;
+          if (k >= nkeys) {
+            p[e] = _mm512_setzero_ps();
+            continue;
           }
+          const __m512 sv = _mm512_loadu_ps(st + k * MT);
+          if constexpr (kTrack) bm = k < open ? _mm512_max_ps(bm, sv) : _mm512_mask_max_ps(bm, valid[k][th], bm, sv);
+          p[e] = exp2_16(_mm512_fmsub_ps(sv, c, mut));
+          if (k >= open) p[e] = _mm512_maskz_mov_ps(valid[k][th], p[e]);
+        }
+        s0 = _mm512_add_ps(s0, p[0]);
+        s1 = _mm512_add_ps(s1, p[1]);
+        store_pair(j, p[0], p[1]);
+      }
+      sum[th][0] = s0, sum[th][1] = s1, bmx[th] = bm;
+    };
+    auto exps = [&](bool track) {  // P^T of the block, its sums; track: its max into bmx
+      for (int th = 0; th < halves; ++th) track ? exps_half(std::true_type{}, th) : exps_half(std::false_type{}, th);
     };
     exps(fold);
     if (fold) {
