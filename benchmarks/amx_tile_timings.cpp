@@ -2,7 +2,8 @@
 // product alone and in dependent chains, a tile store, a 2 x 2 linear block's K step (four loads, four
 // products), and that K step with AVX-512 bf16 dot products between its instructions (do the vector units run
 // beside the tile unit?); and tiles loaded from L1 and from L2 with rows of several strides, with and without
-// software prefetch into L1. Prints JSON.
+// software prefetch into L1; and what one tile product costs after the tile unit idled a while (it sleeps).
+// Prints JSON.
 //
 //   g++ -O2 -march=native -o /tmp/amx_tile_timings benchmarks/amx_tile_timings.cpp && /tmp/amx_tile_timings
 #include <immintrin.h>
@@ -118,6 +119,27 @@ double tile_walk(const char* b, size_t bytes, int stride, int pf) {
   return ns_since(t0, double(tiles) * reps);
 }
 
+// ns that one tile product adds after n dependent scalar adds (the tile unit idle meanwhile), against the adds alone
+double product_after_idle(int n) {
+  auto adds = [n] {
+    uint64_t x = 1;
+    for (int i = 0; i < n; ++i) asm volatile("add $3, %0" : "+r"(x));
+    return x;
+  };
+  const int reps = 20000;
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < 3; ++rep)
+    for (int with = 0; with < 2; ++with) {
+      const auto t0 = Clock::now();
+      for (int r = 0; r < reps; ++r) {
+        adds();
+        if (with) _tile_dpbf16ps(0, 4, 6);
+      }
+      best[with] = std::min(best[with], ns_since(t0, reps));
+    }
+  return best[1] - best[0];
+}
+
 }  // namespace
 
 // `bytes` of value-1 bytes from a 64-byte line plus `offset` (16: every 64-byte tile row across two lines, as in a
@@ -172,6 +194,10 @@ int main() {
                   {"l2_stride_64_across_lines", l2x, 1 << 20, 64, 0, 1e30}};
   for (int rep = 0; rep < 5; ++rep)
     for (Walk& w : walks) w.best = std::min(w.best, tile_walk(w.b, w.bytes, w.stride, w.pf));
+  // the tile unit after idling: ~0.25, 0.5, 1 and 4 us of scalar work (one add a cycle) before one product
+  const int idle_adds[4] = {1000, 2000, 4000, 16000};
+  double idle_ns[4];
+  for (int i = 0; i < 4; ++i) idle_ns[i] = product_after_idle(idle_adds[i]);
   _tile_release();
   __m512 sum = _mm512_setzero_ps();
   for (auto& v : acc) sum = _mm512_add_ps(sum, v);
@@ -189,6 +215,8 @@ int main() {
         best[off][6]);
   std::printf("}, \"tile_loaded_twice_ns\": {");
   for (const Walk& w : walks) std::printf("%s\"%s\": %.2f", &w == walks ? "" : ", ", w.name, w.best);
+  std::printf("}, \"product_after_idle_ns\": {");
+  for (int i = 0; i < 4; ++i) std::printf("%s\"after_%d_adds\": %.1f", i ? ", " : "", idle_adds[i], idle_ns[i]);
   std::printf("}, \"sink\": %g}\n", sink);
   return 0;
 }
