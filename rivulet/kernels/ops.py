@@ -26,14 +26,10 @@ from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, fp8_linear_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight, quantize_int8_weight)
 from rivulet.kernels.rotary import apply_rotary_ref
+from rivulet.kernels.sampling import argmax_rows_ref, sample_rows_ref
 from rivulet.plugins import load_kernel_plugins
 
 OpImpl = Callable[..., object]
-
-
-def argmax_rows_ref(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy sampling: each row's first index of its maximum."""
-    return logits.argmax(dim=-1)
 
 
 def pack_linear_weight_ref(weight: torch.Tensor) -> None:
@@ -82,6 +78,8 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
                  "triton": f"{_TRITON}.lora:add_lora"},
     "copy_blocks": {"torch": copy_blocks_ref, "cpu": f"{_CPU}:copy_blocks", "triton": f"{_TRITON}.kv_copy:copy_blocks"},
     "argmax_rows": {"torch": argmax_rows_ref, "cpu": f"{_CPU}:argmax_rows"},
+    # a random draw per row (a Gumbel race over noise hashed from the row's key; argmax at temperature 0)
+    "sample_rows": {"torch": sample_rows_ref, "cpu": f"{_CPU}:sample_rows", "triton": f"{_TRITON}.sampling:sample_rows"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

@@ -6,10 +6,12 @@ Order of operations on the logits of one step (vLLM v1 order):
 2. min-tokens mask (eos / stop token ids -> -inf while the output is too short; not where it would
    leave a row nothing: a grammar that allows only its end ends the output, min_tokens or not),
 3. penalties: repetition (HF/vLLM), then frequency and presence (OpenAI),
-4. greedy rows take the argmax here,
-5. temperature,
-6. min-p, 7. top-k, 8. top-p,
-9. sample by inverse CDF, one uniform number per row drawn from its own generator (seeded rows).
+4. temperature,
+5. min-p, 6. top-k, 7. top-p,
+8. sample: a Gumbel race (``argmax(logits / t + g)``) whose noise ``g`` is hashed from a 64-bit key per row
+   and the token id (`rivulet.kernels.sampling`), so a token's noise is its own. Greedy rows take the
+   argmax of the logits after step 3 (in a mixed batch they race at temperature 0, after filters that
+   always keep a row's largest logits: the same index).
 
 Logprobs are always those of the model's raw distribution: ``log_softmax`` of the
 unprocessed logits in float32.
@@ -24,14 +26,15 @@ Support of the filters (exact, ties at the boundary are kept):
   token), plus any token whose probability equals that of the prefix's last
   token.  top-p works on the distribution renormalised after min-p and top-k.
 
-A seeded row draws its randomness only from its own ``torch.Generator``, so its
-tokens do not depend on which other rows share the batch or where it sits.  The
-engine reseeds that generator before each draw from the request's seed and the
-position of the token being sampled (``SamplingMetadata.seeds``, `position_seed`),
-so a seeded token depends only on (seed, position, distribution): the same with or
-without speculative drafts, after a preemption, and when a stream is resumed
-elsewhere as a completion of prompt + the tokens already sent.  Unseeded rows draw
-from torch's default generator for the device.
+A seeded row's key depends only on its seed and the position of the token being sampled
+(`position_seed`), so a seeded token depends only on (seed, position, distribution): the same with or
+without speculative drafts, after a preemption, and when a stream is resumed elsewhere as a completion of
+prompt + the tokens already sent. And since each token's noise is its own, logits that differ in their last
+bits (a recompute after preemption runs other kernels than the decode steps did; a batch of another size
+takes another path) change the draw only where two tokens' noisy scores are that close, where an inverse
+CDF changed it whenever its one uniform number fell near any of the vocabulary's cumulative sums. Seeded
+rows without a position draw their key from their own generator; unseeded rows from torch's default
+(CPU) generator.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from rivulet.kernels.ops import get_op
 from rivulet.layers.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
+_KEY_BOUND = (1 << 63) - 1  # keys are below it (position_seed's are 63 bits)
 
 
 @dataclass
@@ -172,28 +176,22 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits: what every torch.Generator accepts
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                  seeds: dict[int, int] | None = None) -> torch.Tensor:
-    """A draw from each row of ``probs`` by inverse CDF: the first token whose cumulative probability
-    reaches ``(1 - U) * total`` with one ``U ~ Uniform[0, 1)`` per row.
-
-    One random number per row instead of one per vocabulary entry (an exponential race over a
-    49k vocabulary drew 3M numbers per 64-row step, serially: most of the sampler's time on CPU).
-    Seeded rows draw their ``U`` from their own generator (first reseeded with ``seeds[row]`` when
-    given), the rest from the default one. ``1 - U``
-    is in (0, 1], so the target is above 0 and at most the total: a token of probability 0 (a
-    flat step of the cumulative sum) can never be chosen, and the index stays in the vocabulary.
-    """
-    u = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    if len(generators) < probs.shape[0]:
-        u.uniform_()
+def draw_keys(num_rows: int, generators: dict[int, torch.Generator],
+              seeds: dict[int, int] | None = None) -> torch.Tensor:
+    """int64 [num_rows] on the CPU: each row's key for `sample_rows`. Seeded rows take ``seeds[row]`` when given
+    (`position_seed`), else a number from their own generator; the other rows numbers from torch's default
+    generator (one call for all of them)."""
+    if len(generators) < num_rows:
+        keys = torch.randint(_KEY_BOUND, (num_rows,), dtype=torch.int64)
+    else:
+        keys = torch.empty(num_rows, dtype=torch.int64)
+    k = keys.numpy()
     for row, generator in generators.items():
         if seeds and row in seeds:
-            generator.manual_seed(seeds[row])
-        u[row].uniform_(generator=generator)
-    cdf = probs.cumsum(dim=-1)
-    target = (1.0 - u) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+            k[row] = seeds[row]
+        else:
+            k[row] = int(torch.randint(_KEY_BOUND, (1,), generator=generator, device=generator.device))
+    return keys
 
 
 class Sampler(nn.Module):
@@ -202,33 +200,40 @@ class Sampler(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._argmax = get_op("argmax_rows")
+        self._sample_rows = get_op("sample_rows")
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """``logits``: float[rows, vocab] (float32, or bf16 widened here), one row per sequence to sample."""
+        """``logits``: float[rows, vocab] (float32, or bf16: widened only where a step needs float32), one row per
+        sequence to sample."""
         if metadata.all_greedy and metadata.max_num_logprobs is None and not self.processes(metadata):
             return SamplerOutput(sampled_token_ids=self._argmax(logits), logprobs=None)  # any float dtype
-        logits = logits.float()  # no copy when already float32; nothing below is in place
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = logits.log_softmax(dim=-1)
-
-        logits = self.apply_logits_processors(logits, metadata)
-        greedy_ids = None if metadata.all_random else self._argmax(logits)
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+        if self.processes(metadata):
+            logits = self.apply_logits_processors(logits.float(), metadata)
         if metadata.all_greedy:
-            assert greedy_ids is not None
-            sampled = greedy_ids
+            sampled = self._argmax(logits)
         else:
-            probs = self.filtered_logits(logits, metadata).softmax(dim=-1)
-            sampled = random_sample(probs, metadata.generators, metadata.seeds)
-            if greedy_ids is not None:
-                assert metadata.greedy_mask is not None
-                sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
+            temperature = metadata.temperature
+            if self.filters(metadata):
+                logits = self.filtered_logits(logits.float(), metadata)  # divided by the temperature already
+                temperature = torch.ones_like(temperature)
+            if metadata.greedy_mask is not None:  # their argmax (the filters keep every row's largest logit)
+                temperature = temperature.masked_fill(metadata.greedy_mask, 0.0)
+            keys = draw_keys(logits.shape[0], metadata.generators, metadata.seeds)
+            sampled = self._sample_rows(logits, temperature, keys.to(logits.device, non_blocking=True))
 
         logprobs = None
         if raw_logprobs is not None:
             assert metadata.max_num_logprobs is not None
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def filters(metadata: SamplingMetadata) -> bool:
+        """Whether min-p, top-k or top-p restrict any row of this batch."""
+        return metadata.min_p is not None or metadata.top_p is not None or metadata.top_k is not None
 
     @staticmethod
     def processes(metadata: SamplingMetadata) -> bool:
@@ -245,7 +250,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def filtered_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature, then min-p, top-k, top-p: masked tokens are -inf."""
+        """Temperature, then min-p, top-k, top-p: masked tokens are -inf (float32 logits)."""
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)

@@ -136,3 +136,20 @@ def test_apply_token_bitmask(rows, vocab):
     want = apply_token_bitmask_ref(logits.clone(), mask.to(logits.device))
     got = apply_token_bitmask(logits.clone(), mask.to(logits.device))
     assert torch.equal(got, want) and bool(torch.isinf(want).any()) and not bool(torch.isinf(want[-1]).any())
+
+
+@pytest.mark.parametrize("vocab", [3000, 5000])
+def test_sample_rows_is_the_reference_race(vocab):
+    """The Triton race draws the reference's tokens (same keys): sampled rows, greedy rows (temperature 0), and a
+    vocabulary that ends inside a block; a row's winner sits in any of its blocks."""
+    from rivulet.kernels.sampling import sample_rows_ref
+    from rivulet.kernels.triton.sampling import sample_rows
+
+    rows = 12
+    logits = randn(rows, vocab, dtype=torch.float32, scale=2.0)
+    temperature = (torch.rand(rows, generator=torch.Generator().manual_seed(vocab)) + 0.3).to(DEVICE)
+    temperature[::4] = 0.0
+    keys = torch.randint((1 << 63) - 1, (rows,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = sample_rows(logits, temperature, keys)
+    want = sample_rows_ref(logits, temperature, keys)
+    assert torch.equal(got, want) and len(set((got // 1024).tolist())) > 1

@@ -12,7 +12,8 @@ from rivulet.layers.sampler import (
     Sampler,
     apply_top_k,
     apply_top_k_top_p,
-    random_sample,
+    draw_keys,
+    position_seed,
 )
 from rivulet.layers.sampling_metadata import SamplingMetadata
 from rivulet.sampling_params import SamplingParams
@@ -188,18 +189,29 @@ def test_unseeded_rows_use_default_generator() -> None:
     assert len(draws) > 1
 
 
-def test_random_sample_matches_distribution() -> None:
-    probs = torch.tensor([[0.0, 0.5, 0.25, 0.15, 0.1, 0.0]]).expand(40_000, -1)  # zeros at both ends
-    tokens = random_sample(probs, {})
-    freq = torch.bincount(tokens, minlength=6).float() / tokens.numel()
+def test_sampler_draws_follow_the_distribution() -> None:
+    """Through the Sampler (the platform's draw): 20,000 unseeded rows of one distribution."""
+    probs = [0.0, 0.5, 0.25, 0.15, 0.1, 0.0]
+    rows = 20_000
+    logits = torch.tensor(probs).log().expand(rows, -1).contiguous()
+    torch.manual_seed(0)
+    tokens = Sampler()(logits, build([SamplingParams()] * rows, vocab=6)).sampled_token_ids
+    freq = torch.bincount(tokens, minlength=6).float() / rows
     assert freq[0].item() == 0.0 and freq[5].item() == 0.0
-    assert torch.allclose(freq[1:5], probs[0, 1:5], atol=0.01), freq
+    assert torch.allclose(freq[1:5], torch.tensor(probs[1:5]), atol=0.015), freq
 
 
-def test_random_sample_never_picks_zero_probability() -> None:
-    probs = torch.zeros(2000, 6)
-    probs[:, 3] = 1e-30  # tiny but non-zero: the only possible token
-    assert set(random_sample(probs, {}).tolist()) == {3}
+def test_keys_of_seeded_rows_are_their_position_seeds_and_the_rest_are_drawn() -> None:
+    gen = torch.Generator().manual_seed(3)
+    seed = position_seed(42, 17)
+    torch.manual_seed(1)
+    keys = draw_keys(3, {1: gen}, {1: seed})
+    torch.manual_seed(1)
+    again = draw_keys(3, {1: gen}, {1: seed})
+    assert keys[1].item() == seed and torch.equal(keys, again)
+    assert keys[0].item() != keys[2].item() and (keys >= 0).all()
+    unpositioned = draw_keys(2, {0: torch.Generator().manual_seed(5)})  # from the row's own generator
+    assert unpositioned[0].item() == draw_keys(1, {0: torch.Generator().manual_seed(5)})[0].item()
 
 
 # --------------------------------------------------------- exact supports

@@ -624,112 +624,6 @@ TORCH_LIBRARY_IMPL(rivulet, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
 }
 
-// logits [R, V] float32, in place: -inf where bit (t % 32) of word t / 32 of the row's int32 bitmask
-// [R, ceil(V / 32)] is 0 (structured output). Words of all ones (the common case of a free row, or of
-// a grammar allowing much) are skipped.
-void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
-              "apply_token_bitmask: logits must be contiguous float32 [rows, vocab]");
-  auto mask = bitmask.contiguous();
-  const int64_t R = logits.size(0), V = logits.size(1), W = (V + 31) / 32;
-  TORCH_CHECK(mask.scalar_type() == torch::kInt && mask.dim() == 2 && mask.size(0) == R && mask.size(1) >= W,
-              "apply_token_bitmask: bitmask must be int32 [rows, ceil(vocab / 32)]");
-  float* lp = logits.data_ptr<float>();
-  const uint32_t* mp = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
-  const int64_t stride = mask.size(1);
-  const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = lp + r * V;
-      const uint32_t* words = mp + r * stride;
-      for (int64_t w = 0; w < W; ++w) {
-        const uint32_t m = words[w];
-        if (m == 0xffffffffu) continue;
-        const int64_t base = w * 32, n = std::min<int64_t>(32, V - base);
-        for (int64_t j = 0; j < n; ++j)
-          if (!((m >> j) & 1u)) row[base + j] = ninf;
-      }
-    }
-  });
-}
-
-
-// 16 logits as float32 (bf16 widened exactly).
-static inline float logit_at(const float* x, int64_t i) { return x[i]; }
-static inline float logit_at(const at::BFloat16* x, int64_t i) { return float(x[i]); }
-#ifdef __AVX512F__
-static inline __m512 load_logits(const float* x) { return _mm512_loadu_ps(x); }
-static inline __m512 load_logits(const at::BFloat16* x) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
-// The first index of a row's maximum, torch.argmax's answer (a NaN counts as the maximum: its first wins).
-// bf16 rows give the answer of their float32 copies (the widening is exact), without making them.
-template <typename T>
-static int64_t argmax_row(const T* x, int64_t n) {
-  int64_t j = 0, best = 0;
-  float m = logit_at(x, 0);
-#ifdef __AVX512F__
-  if (n >= 16) {  // per lane the first index of its maximum, then the smallest index among the lanes holding it
-    __m512 bv = load_logits(x);
-    __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = bi;
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
-    for (j = 16; j + 16 <= n; j += 16) {
-      idx = _mm512_add_epi32(idx, step);
-      const __m512 v = load_logits(x + j);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
-      bv = _mm512_mask_mov_ps(bv, gt, v);
-      bi = _mm512_mask_mov_epi32(bi, gt, idx);
-    }
-    if (nan) {
-      for (int64_t i = 0; i < j; ++i)
-        if (std::isnan(logit_at(x, i))) return i;
-    }
-    m = _mm512_reduce_max_ps(bv);
-    best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(bv, _mm512_set1_ps(m), _CMP_EQ_OQ), bi);
-  }
-#endif
-  if (j == 0) {
-    if (std::isnan(m)) return 0;
-    j = 1;
-  }
-  for (; j < n; ++j) {  // the tail (all of a short row): later indices win only when greater
-    const float v = logit_at(x, j);
-    if (std::isnan(v)) return j;
-    if (v > m) m = v, best = j;
-  }
-  return best;
-}
-
-// logits [R, V] float32 or bf16 (rows contiguous) -> int64 [R]: greedy sampling's argmax, vectorized, rows
-// over threads. (torch's argmax over a float32 [64, 49152] batch took 2.7 ms of a 44 ms decode step on 2
-// cores; this ~0.3. On bf16 logits it also spares the float32 copy an all-greedy step would not use.)
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  const auto dtype = logits.scalar_type();
-  TORCH_CHECK(logits.dim() == 2 && (dtype == torch::kFloat || dtype == torch::kBFloat16) && logits.size(1) > 0 &&
-              logits.stride(1) == 1 && logits.size(1) < (int64_t(1) << 31),
-              "argmax_rows: float32 or bf16 [rows, vocab] with contiguous rows");
-  const int64_t R = logits.size(0), V = logits.size(1), ld = logits.stride(0);
-  auto out = torch::empty({R}, logits.options().dtype(torch::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  if (dtype == torch::kFloat) {
-    const float* lp = logits.data_ptr<float>();
-    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(lp + r * ld, V);
-    });
-  } else {
-    const at::BFloat16* lp = logits.data_ptr<at::BFloat16>();
-    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(lp + r * ld, V);
-    });
-  }
-  return out;
-}
-
 // KV blocks between caches of the same block shape (the KV tier: a layer's device cache and its host
 // buffer, each [halves, blocks, ...] with contiguous blocks): dst[l][h, dst_idx[i]] = src[l][h, src_idx[i]]
 // for every layer l, half h and pair i, one memcpy each, all of them spread over the threads.
@@ -787,8 +681,6 @@ void register_cpu_ops(py::module& m) {
   m.attr("FP8_DECODE_KERNEL") = false;
 #endif
   m.def("copy_blocks", &copy_blocks);
-  m.def("apply_token_bitmask", &apply_token_bitmask);
-  m.def("argmax_rows", &argmax_rows);
   m.def("rms_norm", &rms_norm);
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("apply_rotary", &apply_rotary);

@@ -19,6 +19,7 @@ from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight as quantize_int4_weight_ref)
 from rivulet.kernels.rotary import apply_rotary_ref
+from rivulet.kernels.sampling import sample_rows_ref
 
 _ext = load_cpu_ext()
 AVAILABLE = _ext is not None
@@ -206,6 +207,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             or logits.shape[1] == 0:
         return logits.argmax(dim=-1)
     return _ext.argmax_rows(logits)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`sample_rows_ref` in C++ (rows over the threads; blocks of tokens that cannot win are not hashed)."""
+    if _ext is None or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 \
+            or logits.stride(-1) != 1 or logits.shape[1] == 0:
+        return sample_rows_ref(logits, temperature, keys)
+    return _ext.sample_rows(logits, temperature, keys)
 
 
 def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_blocks: torch.Tensor,
