@@ -2,8 +2,8 @@
 
 `load_cpu_ext()` returns the compiled module, or None when no C++ compiler is available (callers
 then use the PyTorch reference). The build is cached under ~/.cache/rivulet/cpu_ext/<hash> (or
-$RIVULET_CACHE_DIR), keyed by the sources and the torch version, so it is compiled once per
-machine (~30 s).
+$RIVULET_CACHE_DIR), keyed by the sources, the torch version and location and the CPU's flags, so it
+is compiled once per machine and environment (1-5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ def load_cpu_ext() -> ModuleType | None:
     files = sources + [str(here / s) for s in _HEADERS]
     h = hashlib.sha256(torch.__version__.encode())
     h.update(_cpu_flags().encode())  # -march=native: a build is for this CPU's instruction sets only
+    # the include paths ninja compiles with come from torch's location: one folder per location (a venv reached
+    # through a symlink is another), or two environments would rebuild the same folder in turn
+    h.update(str(Path(torch.__file__).parent).encode())
     for s in files:
         h.update(Path(s).read_bytes())
     build = cache_dir() / h.hexdigest()[:16]

@@ -24,10 +24,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     auto w = weight.to(xc.scalar_type()).contiguous();
     const T* xp = xc.data_ptr<T>(); const T* wp = w.data_ptr<T>(); T* op = out.data_ptr<T>();
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(H);
+      std::vector<float> buf(H), wf(H);  // the weight in float once, not per row
+      for (int64_t i = 0; i < H; ++i) wf[i] = f32(wp[i]);
       for (int64_t r = r0; r < r1; ++r) {
         load_row<T>(xp + r * H, nullptr, nullptr, buf.data(), H);
-        norm_row<T>(buf.data(), wp, op + r * H, H, float(eps));
+        norm_row<T>(buf.data(), wf.data(), op + r * H, H, float(eps));
       }
     });
   });
@@ -45,10 +46,11 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor res
     const T* xp = xc.data_ptr<T>(); const T* rp = rc.data_ptr<T>(); const T* wp = w.data_ptr<T>();
     T* op = out.data_ptr<T>(); T* sp = res.data_ptr<T>();
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(H);
+      std::vector<float> buf(H), wf(H);  // the weight in float once, not per row
+      for (int64_t i = 0; i < H; ++i) wf[i] = f32(wp[i]);
       for (int64_t r = r0; r < r1; ++r) {
         load_row<T>(xp + r * H, rp + r * H, sp + r * H, buf.data(), H);
-        norm_row<T>(buf.data(), wp, op + r * H, H, float(eps));
+        norm_row<T>(buf.data(), wf.data(), op + r * H, H, float(eps));
       }
     });
   });

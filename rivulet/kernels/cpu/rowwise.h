@@ -121,16 +121,35 @@ void dispatch(const torch::Tensor& t, const char* name, F&& f) {
   else TORCH_CHECK(false, name, ": float32 or bfloat16 expected, got ", t.scalar_type());
 }
 
-// out = weight * round_T(x * rsqrt(mean(x^2) + eps)); x already in float.
-template <typename T>
-inline void norm_row(const float* x, const T* w, T* out, int64_t H, float eps) {
+// sum of x[i]^2 for i < H: in four sums (chunk c of 16 floats into sum c % 4), added up in a fixed order (one chain
+// of dependent adds, 4 cycles each, had bounded the norm: residual + RMSNorm 0.94-0.95x the time)
+inline float sum_squares(const float* x, int64_t H) {
 #ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < H; i += 16) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= H; i += 64)
+    for (int k = 0; k < 4; ++k) {
+      const __m512 v = _mm512_loadu_ps(x + i + 16 * k);
+      acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(v, v));
+    }
+  for (int k = 0; i < H; i += 16, ++k) {
     const __m512 v = _mm512_maskz_loadu_ps(tail_mask(H - i), x + i);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(v, v));
   }
-  const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / H + eps);
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#else
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  return ss;
+#endif
+}
+
+// out = weight * round_T(x * rsqrt(mean(x^2) + eps)); x already in float, the weight in T or already in float.
+template <typename T, typename W = T>
+inline void norm_row(const float* x, const W* w, T* out, int64_t H, float eps) {
+  const float r = 1.f / std::sqrt(sum_squares(x, H) / H + eps);
+#ifdef __AVX512F__
   const __m512 rv = _mm512_set1_ps(r);
   for (int64_t i = 0; i < H; i += 16) {
     const __mmask16 m = tail_mask(H - i);
@@ -138,10 +157,6 @@ inline void norm_row(const float* x, const T* w, T* out, int64_t H, float eps) {
     store_rounded16(out + i, _mm512_mul_ps(load16(w + i, m), n), m);
   }
 #else
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / H + eps);
   for (int64_t i = 0; i < H; ++i) out[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(x[i] * r)));
 #endif
 }
