@@ -214,10 +214,13 @@ inline __m512 log_positive16(__m512 x) {
   return _mm512_add_ps(_mm512_add_ps(m, y), _mm512_mul_ps(_mm512_set1_ps(0.693359375f), fe));
 }
 
-inline __m512 neg16(__m512 x) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
+inline __m512 neg16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
 
 inline __m512 gumbel_of_bits16(__m512i m) {
-  const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.5f)), _mm512_set1_ps(0x1p-23f));
+  const __m512 u =
+      _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.5f)), _mm512_set1_ps(0x1p-23f));
   return neg16(log_positive16(neg16(log_positive16(u))));
 }
 
