@@ -123,6 +123,12 @@ def test_budget_skips_sections_and_still_writes_the_table(tmp_path):
 
 
 def test_dry_run_end_to_end(tmp_path):
+    from rivulet.kernels.cpu import cache_dir
+
+    # a fresh compile cache, the C++ kernels' build shared (a build of its own took two minutes)
+    (tmp_path / "cache").mkdir()
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / "cpu_ext").symlink_to(cache_dir(), target_is_directory=True)
     p = _run("--dry-run", "--out", str(tmp_path), "--sections", "ceilings,kernels,model",
              "--kernels", "rms_norm,write_kv,moe", env_extra={"RIVULET_CACHE_DIR": str(tmp_path / "cache")})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,25 @@ pytestmark = pytest.mark.skipif(not COMPILER, reason="no C++ compiler on this ma
 
 def test_the_extension_builds_where_a_compiler_is() -> None:
     assert ext is not None, "a C++ compiler is here but the CPU kernels did not build (see the warning logged)"
+
+
+def test_a_linked_cache_and_a_killed_build_s_lock_cost_no_rebuild(tmp_path) -> None:
+    """A cache folder reached through a link is the same build (ninja compares absolute paths), and a `lock` file
+    left by a build that was killed does not make the next start wait for it forever."""
+    assert ext is not None
+    build = Path(ext.__file__).parent
+    so_mtime = Path(ext.__file__).stat().st_mtime
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "cpu_ext").symlink_to(build.parent, target_is_directory=True)
+    (build / "lock").touch()  # what torch's build leaves when its process dies mid-build
+    env = dict(os.environ, RIVULET_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(Path(__file__).parents[2]))
+    code = "from rivulet.kernels.cpu import load_cpu_ext; print(load_cpu_ext().__file__)"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert Path(p.stdout.strip()) == Path(ext.__file__) and not (build / "lock").exists()
+    assert Path(ext.__file__).stat().st_mtime == so_mtime  # loaded, not rebuilt
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 

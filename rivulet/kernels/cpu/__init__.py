@@ -8,6 +8,7 @@ is compiled once per machine and environment (1-5 minutes on 2 cores).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -62,7 +63,13 @@ def load_cpu_ext() -> ModuleType | None:
         h.update(Path(s).read_bytes())
     build = cache_dir() / h.hexdigest()[:16]
     build.mkdir(parents=True, exist_ok=True)
-    with _LOCK:
+    build = build.resolve()  # ninja records absolute paths: a cache reached through a link must name the same ones
+    with _LOCK, open(build / "build.flock", "w") as held:
+        # torch's own lock (`build/lock`, a file that exists while a build runs) outlives a build that was killed
+        # and then makes every later start wait forever; builds here are serialized by an flock instead, which
+        # the system releases with its process, so whoever holds it knows any `lock` file left is stale
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
         try:
             # build from copies inside the build folder: the ninja file then names the same paths for
             # every checkout of the same sources, which would otherwise each force a rebuild (~60 s)
