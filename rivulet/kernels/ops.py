@@ -26,7 +26,7 @@ from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, fp8_linear_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight, quantize_int8_weight)
 from rivulet.kernels.rotary import apply_rotary_ref
-from rivulet.kernels.sampling import argmax_rows_ref, sample_rows_ref
+from rivulet.kernels.sampling import argmax_rows_ref, sample_rows_ref, top_k_top_p_ref
 from rivulet.plugins import load_kernel_plugins
 
 OpImpl = Callable[..., object]
@@ -80,6 +80,8 @@ _OPS: dict[str, dict[str, OpImpl | str]] = {
     "argmax_rows": {"torch": argmax_rows_ref, "cpu": f"{_CPU}:argmax_rows"},
     # a random draw per row (a Gumbel race over noise hashed from the row's key; argmax at temperature 0)
     "sample_rows": {"torch": sample_rows_ref, "cpu": f"{_CPU}:sample_rows", "triton": f"{_TRITON}.sampling:sample_rows"},
+    # top-k / top-p masks (-inf); the result may reuse the logits' storage
+    "top_k_top_p": {"torch": top_k_top_p_ref, "cpu": f"{_CPU}:top_k_top_p"},
     "apply_token_bitmask": {"torch": apply_token_bitmask_ref, "triton": f"{_TRITON}.bitmask:apply_token_bitmask",
                             "cpu": f"{_CPU}:apply_token_bitmask"},
 }

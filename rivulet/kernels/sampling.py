@@ -8,6 +8,9 @@ murmur3's 32-bit finalizer over ``(v * 0x9E3779B9) ^ key.lo`` and then ``^ key.h
 each token has its own noise, logits that differ in their last bits (another batch shape, a recompute after
 preemption) change the draw only where two tokens' noisy scores are that close. A temperature of 0 gives
 the row's argmax.
+
+Also here: the reference of the top-k / top-p mask (`top_k_top_p_ref`; the CPU backend's kernel in
+`cpu/top_k_top_p.cpp` finds the same thresholds by a radix select instead of a sort).
 """
 
 from __future__ import annotations
@@ -57,3 +60,24 @@ def sample_rows_ref(logits: torch.Tensor, temperature: torch.Tensor, keys: torch
 def argmax_rows_ref(logits: torch.Tensor) -> torch.Tensor:
     """Greedy sampling: each row's first index of its maximum."""
     return logits.argmax(dim=-1)
+
+
+def top_k_top_p_ref(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """float32 [rows, vocab] with -inf where row r's top-k (int64, ``1 <= k <= vocab``) and then top-p (float32,
+    ``0 < p <= 1``) mask a token. top-k keeps logits ``>=`` the k-th largest; top-p keeps the smallest prefix of
+    the rest, in descending order, whose probability (renormalised after top-k) summed in float64 reaches ``p``
+    (at least one token); both keep every token tied with their last one. A new tensor."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k.clamp(1, vocab_size) - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.double().softmax(dim=-1)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        # tokens needed to reach top_p: those before the first cumulative sum >= top_p, and that one
+        num_keep = (cumulative < top_p.double().unsqueeze(1)).sum(dim=-1) + 1
+        num_keep = torch.where(top_p >= 1.0, vocab_size, num_keep.clamp(max=vocab_size))
+        threshold = sorted_logits.gather(1, (num_keep - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)

@@ -22,9 +22,11 @@ Support of the filters (exact, ties at the boundary are kept):
 * top-k keeps tokens whose logit is ``>=`` the k-th largest logit, so tokens tied
   with the k-th one are all kept (the kept set can exceed k);
 * top-p keeps the smallest prefix of the tokens sorted by probability whose
-  cumulative probability (float32 ``cumsum``) reaches ``top_p`` (at least one
+  cumulative probability (summed in float64) reaches ``top_p`` (at least one
   token), plus any token whose probability equals that of the prefix's last
   token.  top-p works on the distribution renormalised after min-p and top-k.
+
+top-k and top-p are one op (`top_k_top_p`: a sort in the reference; on CPUs a radix select per row, no sort).
 
 A seeded row's key depends only on its seed and the position of the token being sampled
 (`position_seed`), so a seeded token depends only on (seed, position, distribution): the same with or
@@ -139,35 +141,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Keep tokens whose logit is >= the row's k-th largest (rows with k == vocab keep all)."""
-    vocab_size = logits.shape[-1]
-    top_values = logits.topk(max_top_k, dim=-1).values
-    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
-    kth = kth.masked_fill((top_k >= vocab_size).unsqueeze(1), _NEG_INF)
-    return logits.masked_fill(logits < kth, _NEG_INF)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """top-k then top-p on one descending sort (see the module docstring for the support)."""
-    vocab_size = logits.shape[-1]
-    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    if top_p is not None:
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        # Tokens needed to reach top_p: those before the first cumsum >= top_p, plus it.
-        num_keep = (cumulative < top_p.unsqueeze(1)).sum(dim=-1) + 1
-        num_keep = torch.where(top_p >= 1.0, vocab_size, num_keep.clamp(max=vocab_size))
-        threshold = sorted_probs.gather(1, (num_keep - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_probs < threshold, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
-
-
 def position_seed(seed: int, position: int) -> int:
     """The seed of the draw for the token at `position` of a request seeded with `seed` (splitmix64)."""
     z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
@@ -201,6 +174,7 @@ class Sampler(nn.Module):
         super().__init__()
         self._argmax = get_op("argmax_rows")
         self._sample_rows = get_op("sample_rows")
+        self._top_k_top_p = get_op("top_k_top_p")
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits``: float[rows, vocab] (float32, or bf16: widened only where a step needs float32), one row per
@@ -248,14 +222,11 @@ class Sampler(nn.Module):
         logits = apply_min_tokens(logits, metadata)
         return apply_penalties(logits, metadata)
 
-    @staticmethod
-    def filtered_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature, then min-p, top-k, top-p: masked tokens are -inf (float32 logits)."""
+    def filtered_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, then min-p, top-k, top-p: masked tokens are -inf (float32 logits; a new tensor)."""
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        if metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        elif metadata.top_k is not None:
-            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = self._top_k_top_p(logits, metadata.top_k, metadata.top_p)  # may mask in place: a copy already
         return logits

@@ -28,7 +28,6 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None  # int64[rows]; vocab_size where a row has no top-k
-    max_top_k: int  # the largest enabled top_k in the batch (0 when top_k is None)
     top_p: torch.Tensor | None  # float32[rows]; 1.0 where a row has no top-p
     min_p: torch.Tensor | None  # float32[rows]; 0.0 where a row has no min-p
     presence_penalties: torch.Tensor | None  # float32[rows]
@@ -95,14 +94,12 @@ class SamplingMetadata:
             greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
 
         top_k = min_p = top_p = None
-        max_top_k = 0
         row_top_k = [
             p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size
             for p, g in zip(params, greedy)
         ]
         if any(k < vocab_size for k in row_top_k):
             top_k = longs(row_top_k)
-            max_top_k = max(k for k in row_top_k if k < vocab_size)
         if any(p.top_p < 1.0 for p in random_rows):
             top_p = floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
         if any(p.min_p > 0.0 for p in random_rows):
@@ -158,7 +155,6 @@ class SamplingMetadata:
             all_greedy=all_greedy,
             all_random=all_random,
             top_k=top_k,
-            max_top_k=max_top_k,
             top_p=top_p,
             min_p=min_p,
             presence_penalties=presence,

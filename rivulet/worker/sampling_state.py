@@ -156,7 +156,7 @@ class SamplingState:
             temperature=f("temperature"),
             greedy_mask=None if all_greedy or all_random else to_device(greedy, dev),
             all_greedy=all_greedy, all_random=all_random,
-            top_k=top_k, max_top_k=int(row_k[enabled].max()) if top_k is not None else 0,
+            top_k=top_k,
             top_p=top_p, min_p=min_p,
             presence_penalties=presence, frequency_penalties=frequency, repetition_penalties=repetition,
             prompt_token_mask=prompt_mask, output_token_counts=counts,

@@ -10,8 +10,6 @@ import torch
 
 from rivulet.layers.sampler import (
     Sampler,
-    apply_top_k,
-    apply_top_k_top_p,
     draw_keys,
     position_seed,
 )
@@ -242,7 +240,7 @@ def test_keys_of_seeded_rows_are_their_position_seeds_and_the_rest_are_drawn() -
 )
 def test_filters_restrict_support_exactly(params: SamplingParams, allowed: set[int]) -> None:
     metadata = build([params])
-    masked = Sampler.filtered_logits(LOGITS[None].clone(), metadata)[0]
+    masked = Sampler().filtered_logits(LOGITS[None].clone(), metadata)[0]
     assert finite_set(masked) == allowed
     # Unmasked logits keep their (temperature-scaled) values.
     expected = LOGITS / params.temperature
@@ -257,44 +255,32 @@ def test_filters_restrict_support_exactly(params: SamplingParams, allowed: set[i
 def test_top_k_keeps_ties_at_the_boundary() -> None:
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
     for params in (SamplingParams(top_k=2), SamplingParams(top_k=3)):
-        masked = Sampler.filtered_logits(logits, build([params], vocab=5))[0]
+        masked = Sampler().filtered_logits(logits, build([params], vocab=5))[0]
         assert finite_set(masked) == {0, 1, 2}
-    masked = Sampler.filtered_logits(logits, build([SamplingParams(top_k=4)], vocab=5))[0]
+    masked = Sampler().filtered_logits(logits, build([SamplingParams(top_k=4)], vocab=5))[0]
     assert finite_set(masked) == {0, 1, 2, 3}
     assert sampled_set(SamplingParams(top_k=2), logits) == {0, 1, 2}
-
-
-def test_top_k_paths_agree() -> None:
-    """The top-k-only path (topk) and the combined path (sort) give identical logits."""
-    logits = torch.randn(5, 200)
-    logits[1, :10] = 0.5  # ties
-    top_k = torch.tensor([1, 10, 200, 37, 199])
-    fast = apply_top_k(logits, top_k, max_top_k=199)
-    sorted_path = apply_top_k_top_p(logits, top_k, None)
-    assert torch.equal(fast, sorted_path)
-    assert finite_set(fast[2]) == set(range(200))
-    assert len(finite_set(fast[3])) == 37
 
 
 def test_top_p_keeps_ties_at_the_boundary() -> None:
     # probs ~ .534 .197 .197 .072: the prefix {0, 1} reaches .6, token 2 ties token 1.
     logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
-    masked = Sampler.filtered_logits(logits, build([SamplingParams(top_p=0.6)], vocab=4))[0]
+    masked = Sampler().filtered_logits(logits, build([SamplingParams(top_p=0.6)], vocab=4))[0]
     assert finite_set(masked) == {0, 1, 2}
-    masked = Sampler.filtered_logits(logits, build([SamplingParams(top_p=0.5)], vocab=4))[0]
+    masked = Sampler().filtered_logits(logits, build([SamplingParams(top_p=0.5)], vocab=4))[0]
     assert finite_set(masked) == {0}
     assert sampled_set(SamplingParams(top_p=0.6), logits) == {0, 1, 2}
 
 
 def test_min_p_boundary_is_inclusive() -> None:
     logits = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
-    masked = Sampler.filtered_logits(logits, build([SamplingParams(min_p=1.0)], vocab=4))[0]
+    masked = Sampler().filtered_logits(logits, build([SamplingParams(min_p=1.0)], vocab=4))[0]
     assert finite_set(masked) == {0, 1, 3}
 
 
 def test_filters_are_per_row() -> None:
     params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=0.49), SamplingParams(temperature=0)]
-    masked = Sampler.filtered_logits(LOGITS.expand(4, -1).clone(), build(params))
+    masked = Sampler().filtered_logits(LOGITS.expand(4, -1).clone(), build(params))
     assert finite_set(masked[0]) == {0, 1}
     assert finite_set(masked[1]) == set(range(VOCAB))
     assert finite_set(masked[2]) == {0, 1}
@@ -304,7 +290,7 @@ def test_filters_are_per_row() -> None:
 def test_top_p_one_keeps_every_token_of_a_large_vocab() -> None:
     logits = torch.randn(2, 50_000) * 4
     params = [SamplingParams(top_p=1.0), SamplingParams(top_p=0.3)]
-    masked = Sampler.filtered_logits(logits, build(params, vocab=50_000))
+    masked = Sampler().filtered_logits(logits, build(params, vocab=50_000))
     assert torch.isfinite(masked[0]).all()
     kept = sorted(finite_set(masked[1]))
     probs = logits[1].softmax(-1)

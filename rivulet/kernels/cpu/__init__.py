@@ -21,7 +21,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCES = ["quant_linear.cpp", "cpu_ops.cpp", "gguf_dequant.cpp", "amx_linear.cpp", "prefill_attention.cpp",
-            "amx_attention.cpp", "bf16_linear.cpp", "decode_program.cpp", "sampling.cpp"]
+            "amx_attention.cpp", "bf16_linear.cpp", "decode_program.cpp", "sampling.cpp",
+            "top_k_top_p.cpp"]
 _HEADERS = ["prefill_attention.h", "simd.h", "quant_gemv.h", "rowwise.h", "decode_attention.h", "bf16_panels.h",
             "amx_tiles.h"]  # copied beside the sources, hashed with them, not compiled alone
 _LOCK = threading.Lock()

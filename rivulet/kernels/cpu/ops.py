@@ -19,7 +19,7 @@ from rivulet.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from rivulet.kernels.quant import (dequantize_gguf_blocks_ref, int4_linear_ref, int8_linear_ref,
                                    quantize_int4_weight as quantize_int4_weight_ref)
 from rivulet.kernels.rotary import apply_rotary_ref
-from rivulet.kernels.sampling import sample_rows_ref
+from rivulet.kernels.sampling import sample_rows_ref, top_k_top_p_ref
 
 _ext = load_cpu_ext()
 AVAILABLE = _ext is not None
@@ -215,6 +215,16 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             or logits.stride(-1) != 1 or logits.shape[1] == 0:
         return sample_rows_ref(logits, temperature, keys)
     return _ext.sample_rows(logits, temperature, keys)
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """`top_k_top_p_ref` in C++, masking `logits` in place (float32 rows; a radix select per row, no sort)."""
+    if _ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1 \
+            or logits.device.type != "cpu":
+        return top_k_top_p_ref(logits, top_k, top_p)
+    none = torch.empty(0)
+    _ext.top_k_top_p_(logits, none if top_k is None else top_k, none if top_p is None else top_p)
+    return logits
 
 
 def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_blocks: torch.Tensor,

@@ -157,6 +157,7 @@ void register_prefill_attention(py::module& m);
 void register_bf16_linear(py::module& m);
 void register_decode_program(py::module& m);
 void register_sampling_ops(py::module& m);
+void register_top_k_top_p_ops(py::module& m);
 
 TORCH_LIBRARY_FRAGMENT(rivulet, m) {
   m.def("int8_linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
@@ -175,6 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_bf16_linear(m);
   register_decode_program(m);
   register_sampling_ops(m);
+  register_top_k_top_p_ops(m);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear (VNNI)", py::arg("x"), py::arg("w"), py::arg("n"),
         py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear, "weight-only 4-bit (Q4_1-style) linear (VNNI)", py::arg("x"), py::arg("w"),
