@@ -16,6 +16,7 @@
 #   ROWS= bash benchmarks/cpu_vs_peers.sh               # start to healthy only
 #   VLLM_CLIENT=0 bash benchmarks/cpu_vs_peers.sh       # each point with `rivulet bench serve` only
 #   TEMPERATURE=1.0 ROWS="2 3" bash benchmarks/cpu_vs_peers.sh   # sampled rows (the sampler in the step)
+#   TEMPERATURE=0.7 TOP_P=0.9 ROWS=3 bash benchmarks/cpu_vs_peers.sh   # and nucleus-filtered
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cpu_vs_peers}
@@ -27,6 +28,8 @@ ROWS=${ROWS-"1 2 3 4"}  # ROWS= (empty): starts only
 PORT=${PORT:-8020}
 POINT_S=${POINT_S:-300}
 TEMPERATURE=${TEMPERATURE:-0}  # the rows' sampling temperature (0: greedy, as vLLM's client sends by default)
+TOP_P=${TOP_P:-}  # the rows' top_p (empty: not sent)
+SAMPLING=(--temperature "$TEMPERATURE" ${TOP_P:+--top-p "$TOP_P"})
 VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}  # e.g. float32 on AVX2-only CPUs, where its bf16 path is weak
 VLLM_CLIENT=${VLLM_CLIENT:-1}  # 0: only `rivulet bench serve` (half the time, on slow machines)
 HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
@@ -123,12 +126,12 @@ for sys in $SYSTEMS; do
         log "$sys row $row: $n x $in/$out at $c"
         .venv/bin/rivulet bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer default --label "$sys" \
             --dataset random --input-len "$in" --output-len "$out" --num-prompts "$n" --max-concurrency "$c" \
-            --temperature "$TEMPERATURE" --ignore-eos --disable-tqdm --max-duration-s "$POINT_S" --result-json "$OUT/${sys}_row${row}.json" \
+            "${SAMPLING[@]}" --ignore-eos --disable-tqdm --max-duration-s "$POINT_S" --result-json "$OUT/${sys}_row${row}.json" \
             > "$OUT/${sys}_row${row}.log" 2>&1 || log "rivulet bench serve failed for $sys row $row (see the log)"
         if [[ $VLLM_CLIENT == 1 && -x $VLLM/bin/vllm ]]; then
             "$VLLM/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" --model default \
                 --tokenizer "$HF_DIR" --dataset-name random --random-input-len "$in" --random-output-len "$out" \
-                --num-prompts "$n" --max-concurrency "$c" --temperature "$TEMPERATURE" --ignore-eos --disable-tqdm --save-result \
+                --num-prompts "$n" --max-concurrency "$c" "${SAMPLING[@]}" --ignore-eos --disable-tqdm --save-result \
                 --result-dir "$OUT" --result-filename "${sys}_row${row}_vllmclient.json" > "$OUT/${sys}_row${row}_vllmclient.log" 2>&1 \
                 || log "vllm bench serve failed for $sys row $row (see the log)"
         fi

@@ -53,6 +53,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eos-logit-bias", action="store_true",
                    help="also bias the tokenizer's EOS ids by -100 (for servers without ignore_eos)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None, help="sent as top_p (default: not sent)")
+    p.add_argument("--top-k", type=int, default=None, help="sent as top_k (default: not sent)")
+    p.add_argument("--min-p", type=float, default=None, help="sent as min_p (default: not sent)")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=500,tpot=50 (also e2el)")
     p.add_argument("--num-warmups", type=int, default=1)
@@ -211,6 +214,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     eos = sorted({t for t in [tok.eos_token_id] if t is not None}) if a.eos_logit_bias else []
     cfg = ClientConfig(base_url=base_url, model=model, endpoint=a.endpoint, api_key=a.api_key,
                        temperature=a.temperature, ignore_eos=a.ignore_eos, eos_logit_bias=eos,
+                       sampling={k: v for k, v in (("top_p", a.top_p), ("top_k", a.top_k), ("min_p", a.min_p))
+                                 if v is not None},
                        extra_body=a.extra_body or {}, timeout_s=a.timeout)
     if a.num_warmups:
         asyncio.run(warm_up(cfg, requests[0], a.num_warmups))

@@ -42,6 +42,7 @@ class ClientConfig:
     endpoint: str = "completions"  # or "chat"
     api_key: str | None = None
     temperature: float = 0.0
+    sampling: dict[str, float] = field(default_factory=dict)  # top_p / top_k / min_p where given
     ignore_eos: bool = False
     eos_logit_bias: list[int] = field(default_factory=list)  # token ids to bias by -100 (peers without ignore_eos)
     extra_body: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +69,7 @@ def normalize_base_url(url: str) -> str:
 
 def payload(cfg: ClientConfig, req: SampleRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model or cfg.model, "max_tokens": req.output_len, "temperature": cfg.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+                            "stream": True, "stream_options": {"include_usage": True}, **cfg.sampling}
     if cfg.endpoint == "chat":
         if not isinstance(req.prompt, str):
             raise RivuletError("--endpoint chat needs text prompts (--prompt-format text)")

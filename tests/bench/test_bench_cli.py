@@ -58,12 +58,15 @@ def test_serve_against_the_fake_server_writes_json(capsys, fake, tmp_path):
     out = tmp_path / "r.json"
     assert main(SERVE + ["--base-url", fake.url, "--tokenizer", "default", "--num-prompts", "6", "--input-len", "16",
                          "--output-len", "4", "--request-rate", "inf", "--max-concurrency", "3", "--slo", "ttft=500",
-                         "--result-json", str(out), "--label", "fake-system"]) == 0
+                         "--result-json", str(out), "--label", "fake-system", "--temperature", "0.7",
+                         "--top-p", "0.9", "--top-k", "50"]) == 0
     data = json.loads(out.read_text())
     assert data["label"] == "fake-system" and data["model"] == "fake" and len(data["points"]) == 1
     p = data["points"][0]
     assert p["completed"] == 6 and p["max_concurrency"] == 3 and p["request_rate"] is None and p["good_requests"] == 6
     assert fake.state.max_in_flight == 3 and len(fake.state.bodies) == 7  # 1 warm-up
+    body = fake.state.bodies[-1]  # vLLM's client flags, sent as the API's fields; min_p not given, not sent
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 50) and "min_p" not in body
     assert "Successful requests:" in capsys.readouterr().out
 
 
