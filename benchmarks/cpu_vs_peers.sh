@@ -17,6 +17,10 @@
 #   VLLM_CLIENT=0 bash benchmarks/cpu_vs_peers.sh       # each point with `rivulet bench serve` only
 #   TEMPERATURE=1.0 ROWS="2 3" bash benchmarks/cpu_vs_peers.sh   # sampled rows (the sampler in the step)
 #   TEMPERATURE=0.7 TOP_P=0.9 ROWS=3 bash benchmarks/cpu_vs_peers.sh   # and nucleus-filtered
+#   WARM=1 bash benchmarks/cpu_vs_peers.sh              # Rivulet's rows after its KV cache is faulted in
+# Rivulet is healthy before its KV cache's pages exist (they are faulted in at idle priority, ~40-55 s in this VM,
+# while vLLM writes all of its cache before it is healthy): by default the rows start at once and the first
+# ones pay for the pages they reach first; WARM=1 waits for the engine's "faulted in" log line (up to 180 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cpu_vs_peers}
@@ -32,6 +36,7 @@ TOP_P=${TOP_P:-}  # the rows' top_p (empty: not sent)
 SAMPLING=(--temperature "$TEMPERATURE" ${TOP_P:+--top-p "$TOP_P"})
 VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}  # e.g. float32 on AVX2-only CPUs, where its bf16 path is weak
 VLLM_CLIENT=${VLLM_CLIENT:-1}  # 0: only `rivulet bench serve` (half the time, on slow machines)
+WARM=${WARM:-0}
 HF_DIR=${HF_DIR:-$PEERS_DIR/smollm2-135m-instruct-hf}
 mkdir -p "$OUT"
 log() { echo "== $(date +%H:%M:%S) $*" >&2; }
@@ -121,6 +126,10 @@ for sys in $SYSTEMS; do
     # one short warm-up request (compiles, allocator, caches)
     .venv/bin/rivulet bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer default --input-len 32 --output-len 8 \
         --num-prompts 2 --max-concurrency 2 --ignore-eos --disable-tqdm > /dev/null
+    if [[ $WARM == 1 && $sys == rivulet* ]]; then
+        for _ in $(seq 1 720); do grep -q "faulted in" "$OUT/${sys}_serve.log" && break; sleep 0.25; done
+        log "$sys: $(grep -o 'KV cache memory faulted in.*' "$OUT/${sys}_serve.log" || echo 'KV cache not faulted in after 180 s')"
+    fi
     for row in $ROWS; do
         read -r n in out c <<< "$(row_args "$row")"
         log "$sys row $row: $n x $in/$out at $c"
