@@ -18,7 +18,7 @@ unprocessed logits in float32.
 
 Support of the filters (exact, ties at the boundary are kept):
 
-* min-p keeps tokens with ``prob >= min_p * max_prob``;
+* min-p keeps tokens with ``prob >= min_p * max_prob`` (as ``logit >= max_logit + log(min_p)``, in float32);
 * top-k keeps tokens whose logit is ``>=`` the k-th largest logit, so tokens tied
   with the k-th one are all kept (the kept set can exceed k);
 * top-p keeps the smallest prefix of the tokens sorted by probability whose
@@ -135,10 +135,10 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens with ``prob < min_p * max_prob`` (a row with min_p 0 keeps all)."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, _NEG_INF)
+    """Mask tokens with ``prob < min_p * max_prob``, that is ``logit < max_logit + log(min_p)``: no softmax (a row
+    with min_p 0 keeps all)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -278,6 +278,18 @@ def test_min_p_boundary_is_inclusive() -> None:
     assert finite_set(masked) == {0, 1, 3}
 
 
+def test_min_p_by_the_logit_threshold_keeps_the_probability_definition_s_set() -> None:
+    """``logit >= max + log(min_p)`` is ``prob >= min_p * max_prob`` without the softmax (up to the boundary's
+    rounding: none of these rows has a token that close to it)."""
+    logits = torch.randn(8, 50_000, generator=torch.Generator().manual_seed(3)) * 3
+    min_p = torch.tensor([0.0, 1e-4, 0.01, 0.05, 0.1, 0.3, 0.9, 1.0])
+    probs = logits.softmax(-1)
+    want = probs >= min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+    got = Sampler().filtered_logits(logits, build([SamplingParams(min_p=float(p)) for p in min_p], vocab=50_000))
+    assert torch.equal(got > float("-inf"), want)
+    assert want[0].all() and want[-1].sum() == 1
+
+
 def test_filters_are_per_row() -> None:
     params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=0.49), SamplingParams(temperature=0)]
     masked = Sampler().filtered_logits(LOGITS.expand(4, -1).clone(), build(params))
