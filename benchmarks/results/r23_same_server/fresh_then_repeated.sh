@@ -1,5 +1,5 @@
 set -u
-cd /work/main
+cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/fvs}; mkdir -p $OUT; PORT=8032
 .venv/bin/rivulet serve --dtype bfloat16 --port $PORT --max-num-seqs 64 --max-model-len 2048 --disable-uvicorn-access-log > $OUT/serve.log 2>&1 &
 API=$!

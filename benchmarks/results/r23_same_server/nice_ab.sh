@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # row 3 against one server, the API server's nice alternated (0 / 10); CPU seconds of each process per run
 set -u
-cd /work/main
+cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/nice_ab}; mkdir -p $OUT
 PORT=8031
 .venv/bin/rivulet serve --dtype bfloat16 --port $PORT --max-num-seqs 64 --max-model-len 2048 --disable-uvicorn-access-log > $OUT/serve.log 2>&1 &
